@@ -1,0 +1,3 @@
+"""embshard-dist."""
+
+__all__: list[str] = []

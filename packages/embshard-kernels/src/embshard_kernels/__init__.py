@@ -1,0 +1,3 @@
+"""embshard-kernels."""
+
+__all__: list[str] = []

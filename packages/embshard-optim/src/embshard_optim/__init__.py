@@ -1,0 +1,3 @@
+"""embshard-optim."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""embshard-types."""
+
+__all__: list[str] = []

@@ -1,0 +1,102 @@
+"""Table configurations: what a user declares about each embedding table.
+
+Guarantees: configs are frozen and hashable; construction validates names, sizes, feature names
+and enum fields (strings are accepted and converted) and raises a ``ValueError`` naming the table
+and the field otherwise. ``init_range`` defaults to ``(-sqrt(1/rows), sqrt(1/rows))``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from embshard_types.vocab import DataType, PoolingType
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseEmbeddingConfig:
+    """Fields shared by pooled and sequence tables.
+
+    Args:
+        name: the table's name, unique within a collection.
+        num_embeddings: number of rows.
+        embedding_dim: width of each row.
+        feature_names: the input features that read this table (at least one).
+        data_type: storage type of the weights.
+        init_range: uniform initialisation bounds; ``None`` means ``±sqrt(1/num_embeddings)``.
+        weight_init_min / weight_init_max: alternative spelling of ``init_range`` (TorchRec's).
+        need_pos: whether the table needs positions of ids within a bag.
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] = ()
+    data_type: DataType = DataType.FP32
+    init_range: tuple[float, float] | None = None
+    need_pos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"table name must be a non-empty string, got {self.name!r}")
+        where = f"table {self.name!r}"
+        if not isinstance(self.num_embeddings, int) or self.num_embeddings <= 0:
+            raise ValueError(f"{where}: num_embeddings must be a positive int, got {self.num_embeddings!r}")
+        if not isinstance(self.embedding_dim, int) or self.embedding_dim <= 0:
+            raise ValueError(f"{where}: embedding_dim must be a positive int, got {self.embedding_dim!r}")
+        features = tuple(self.feature_names)
+        if not features:
+            features = (self.name,)
+        for f in features:
+            if not isinstance(f, str) or not f:
+                raise ValueError(f"{where}: feature names must be non-empty strings, got {f!r}")
+        if len(set(features)) != len(features):
+            raise ValueError(f"{where}: feature names repeat: {list(features)}")
+        object.__setattr__(self, "feature_names", features)
+        object.__setattr__(self, "data_type", DataType.parse(self.data_type, what=where))
+        if self.init_range is None:
+            bound = math.sqrt(1.0 / self.num_embeddings)
+            object.__setattr__(self, "init_range", (-bound, bound))
+        else:
+            lo, hi = (float(x) for x in self.init_range)
+            if not lo <= hi:
+                raise ValueError(f"{where}: init_range {self.init_range} has min > max")
+            object.__setattr__(self, "init_range", (lo, hi))
+
+    @property
+    def weight_init_min(self) -> float:
+        assert self.init_range is not None
+        return self.init_range[0]
+
+    @property
+    def weight_init_max(self) -> float:
+        assert self.init_range is not None
+        return self.init_range[1]
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingBagConfig(BaseEmbeddingConfig):
+    """A pooled table: each bag of ids becomes one row (summed or averaged)."""
+
+    pooling: PoolingType = PoolingType.SUM
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        pooling = PoolingType.parse(self.pooling, what=f"table {self.name!r}")
+        if pooling is PoolingType.NONE:
+            raise ValueError(
+                f"table {self.name!r}: an EmbeddingBagConfig pools (SUM or MEAN); "
+                "use EmbeddingConfig for one row per id"
+            )
+        object.__setattr__(self, "pooling", pooling)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingConfig(BaseEmbeddingConfig):
+    """A sequence table: each id becomes its own row (no pooling)."""
+
+    pooling: PoolingType = field(default=PoolingType.NONE, init=False)
