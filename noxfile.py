@@ -1,0 +1,135 @@
+"""nox sessions for embshard (uv backend).
+
+- ``lint``: ruff format check, ruff lint and mypy over every package's ``src/``.
+- ``tests-<package>``: one isolated environment per package, holding only that package (built as a
+  wheel, not editable), its declared dependencies and the test tools; runs its tests and imports it.
+  For embshard-types and embshard-optim it also proves ``fbgemm_gpu`` is neither installed nor
+  imported.
+- ``dist_tests``: the multi-process tests under ``tests/`` (real processes, gloo, CPU).
+- ``gpu_tests``: the same suite on CUDA / NCCL; skips (exit 0) with a message where CUDA is absent.
+- ``bench``, ``asv``, ``asv_compare``: the benchmark suites under ``benchmarks/``.
+
+``nox`` with no arguments runs lint, tests and dist_tests. Every environment is synced from
+``uv.lock`` (``--frozen``), so sessions see exactly the locked versions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "tests", "dist_tests"]
+nox.options.error_on_external_run = True
+
+PACKAGES = ["embshard-types", "embshard-optim", "embshard-kernels", "embshard-dist"]
+# Packages that must work without FBGEMM.
+FBGEMM_FREE = {"embshard-types", "embshard-optim"}
+# The extra that selects FBGEMM's CPU build, for packages that need FBGEMM.
+CPU_EXTRA = {"embshard-kernels": "cpu", "embshard-dist": "cpu"}
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Sync the session's virtualenv from uv.lock with exactly the given selection."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--frozen",
+        "--exact",
+        "--no-default-groups",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (format and lint) and mypy over every package's sources."""
+    _sync(session, "--all-packages", "--group", "dev")
+    sources = [f"packages/{p}/src" for p in PACKAGES]
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+    session.run("mypy", *sources)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=[p.removeprefix("embshard-") for p in PACKAGES])
+def tests(session: nox.Session, package: str) -> None:
+    """One package's unit tests, in an environment holding that package alone."""
+    selection = ["--package", package, "--no-editable", "--group", "test"]
+    if package in CPU_EXTRA:
+        selection += ["--extra", CPU_EXTRA[package]]
+    _sync(session, *selection)
+    module = package.replace("-", "_")
+    if package in FBGEMM_FREE:
+        session.run(
+            "python",
+            "-c",
+            "import importlib.util, sys\n"
+            "assert importlib.util.find_spec('fbgemm_gpu') is None, 'fbgemm_gpu is installed'\n"
+            f"import {module}\n"
+            "loaded = [m for m in sys.modules if m.startswith('fbgemm')]\n"
+            "assert not loaded, f'fbgemm modules were imported: {loaded}'\n"
+            f"print('{module} imports without fbgemm_gpu installed or imported')",
+        )
+    else:
+        session.run("python", "-c", f"import {module}; print('{module} imports')")
+    session.run("pytest", f"packages/{package}/tests", "-q", *session.posargs)
+
+
+@nox.session
+def dist_tests(session: nox.Session) -> None:
+    """Multi-process tests: real processes on gloo, compared against the unsharded modules."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
+    session.run("pytest", "tests", "-q", *session.posargs, env={"EMBSHARD_TEST_BACKEND": "gloo"})
+
+
+@nox.session
+def gpu_tests(session: nox.Session) -> None:
+    """The distributed suite on CUDA / NCCL across the visible GPUs."""
+    if shutil.which("nvidia-smi") is None and not os.path.exists("/proc/driver/nvidia/version"):
+        session.skip("no NVIDIA driver on this machine: gpu_tests need CUDA GPUs (skipped, not failed)")
+    _sync(session, "--all-packages", "--extra", "cuda", "--group", "test")
+    gpus = session.run(
+        "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True
+    )
+    count = int(str(gpus).strip().splitlines()[-1]) if gpus else 0
+    if count < 1:
+        session.skip("torch sees no CUDA device: gpu_tests skipped")
+    session.log(f"running the distributed suite on {count} GPU(s) with NCCL")
+    session.run(
+        "pytest",
+        "tests",
+        "packages/embshard-kernels/tests",
+        "-q",
+        *session.posargs,
+        env={"EMBSHARD_TEST_BACKEND": "nccl", "EMBSHARD_TEST_DEVICE": "cuda"},
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark suites; results saved as JSON and compared with the previous run."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test", "--group", "bench")
+    session.run(
+        "pytest",
+        "benchmarks",
+        "-q",
+        "--benchmark-only",
+        "--benchmark-autosave",
+        "--benchmark-storage=benchmarks/results/pytest",
+        *session.posargs,
+    )
+
+
+@nox.session
+def asv(session: nox.Session) -> None:
+    """asv benchmarks of the current commit; HTML published to benchmarks/html."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "bench")
+    with session.chdir("benchmarks"):
+        session.run("asv", "machine", "--yes")
+        session.run("asv", "run", "--python=same", "--quick", "--show-stderr", *session.posargs)
+        session.run("asv", "publish")

@@ -1,0 +1,33 @@
+"""The ``embshard`` command: one sub-command per module in this package.
+
+Guarantees: importing this package imports no sub-command; each sub-command's module is imported
+only when it is run, so ``embshard --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# sub-command -> (module under embshard_dist.cli, one-line help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("info", "print versions, devices and FBGEMM availability"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``embshard`` command."""
+    parser = argparse.ArgumentParser(prog="embshard", description="Sharded embedding tables for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in _COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    module = importlib.import_module(f"embshard_dist.cli.{_COMMANDS[args.command][0]}")
+    result: int = module.run(rest)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
