@@ -1,0 +1,10 @@
+"""Sparse input and output types: JaggedTensor, KeyedJaggedTensor, KeyedTensor (torch only).
+
+Importing this package only imports torch; nothing touches a device.
+"""
+
+from embshard_types.sparse.jagged import JaggedTensor
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.keyed_tensor import KeyedTensor
+
+__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor"]
