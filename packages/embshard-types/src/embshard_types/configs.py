@@ -24,7 +24,7 @@ class BaseEmbeddingConfig:
         feature_names: the input features that read this table (at least one).
         data_type: storage type of the weights.
         init_range: uniform initialisation bounds; ``None`` means ``±sqrt(1/num_embeddings)``.
-        weight_init_min / weight_init_max: alternative spelling of ``init_range`` (TorchRec's).
+            Read them back as ``weight_init_min`` / ``weight_init_max`` (TorchRec's names).
         need_pos: whether the table needs positions of ids within a bag.
     """
 
@@ -40,10 +40,15 @@ class BaseEmbeddingConfig:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"table name must be a non-empty string, got {self.name!r}")
         where = f"table {self.name!r}"
-        if not isinstance(self.num_embeddings, int) or self.num_embeddings <= 0:
-            raise ValueError(f"{where}: num_embeddings must be a positive int, got {self.num_embeddings!r}")
-        if not isinstance(self.embedding_dim, int) or self.embedding_dim <= 0:
-            raise ValueError(f"{where}: embedding_dim must be a positive int, got {self.embedding_dim!r}")
+        for attr in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{where}: {attr} must be a positive int, got {value!r}")
+        if isinstance(self.feature_names, str):
+            raise TypeError(
+                f"{where}: feature_names must be a sequence of names, got the string "
+                f"{self.feature_names!r}; write feature_names=({self.feature_names!r},)"
+            )
         features = tuple(self.feature_names)
         if not features:
             features = (self.name,)
@@ -58,7 +63,10 @@ class BaseEmbeddingConfig:
             bound = math.sqrt(1.0 / self.num_embeddings)
             object.__setattr__(self, "init_range", (-bound, bound))
         else:
-            lo, hi = (float(x) for x in self.init_range)
+            bounds = tuple(self.init_range)
+            if len(bounds) != 2:
+                raise ValueError(f"{where}: init_range must be (min, max), got {self.init_range!r}")
+            lo, hi = float(bounds[0]), float(bounds[1])
             if not lo <= hi:
                 raise ValueError(f"{where}: init_range {self.init_range} has min > max")
             object.__setattr__(self, "init_range", (lo, hi))

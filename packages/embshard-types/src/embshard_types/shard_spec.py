@@ -1,17 +1,38 @@
 """Where one shard of a tensor lives: its offsets, its sizes and its placement.
 
 This is embshard's own, import-cheap counterpart of ``torch.distributed``'s ``ShardMetadata``
-(importing that costs ~0.4 s). Guarantees: frozen, hashable, validated at construction, and an
-exact round trip through ``to_dict`` / ``from_dict``; ``to_torch()`` converts on demand.
+(importing that costs ~0.4 s). Guarantees: frozen, hashable, validated at construction (integer
+offsets and sizes, a ``"rank:R/DEVICE"`` placement), and an exact round trip through
+``to_dict`` / ``from_dict``; ``to_torch()`` converts on demand.
 """
 
 from __future__ import annotations
 
+import operator
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed._shard.metadata import ShardMetadata
+
+_PLACEMENT = re.compile(r"rank:([0-9]+)(?:/(.+))?", re.ASCII)
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    """Convert ``values`` to a tuple of ints, refusing floats, bools and strings."""
+    if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+        raise TypeError(f"shard {what} must be a sequence of ints, got {values!r}")
+    out = []
+    for v in values:
+        if isinstance(v, bool):
+            raise TypeError(f"shard {what} must be ints, got {values!r}")
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"shard {what} must be ints, got {values!r}") from None
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -29,46 +50,74 @@ class ShardSpec:
     placement: str
 
     def __post_init__(self) -> None:
-        offsets = tuple(int(x) for x in self.offsets)
-        sizes = tuple(int(x) for x in self.sizes)
+        offsets = _ints(self.offsets, "offsets")
+        sizes = _ints(self.sizes, "sizes")
         if len(offsets) != len(sizes):
             raise ValueError(f"shard offsets {offsets} and sizes {sizes} have different lengths")
         if any(x < 0 for x in offsets) or any(x < 0 for x in sizes):
             raise ValueError(f"shard offsets {offsets} and sizes {sizes} must be non-negative")
+        if not isinstance(self.placement, str) or _PLACEMENT.fullmatch(self.placement) is None:
+            raise ValueError(
+                f"shard placement {self.placement!r} is not of the form 'rank:R/DEVICE' "
+                "(e.g. 'rank:0/cpu' or 'rank:1/cuda:1')"
+            )
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "sizes", sizes)
-        self.rank  # noqa: B018 - validates the placement string
 
     @property
     def rank(self) -> int:
         """The rank that holds the shard."""
-        head = self.placement.split("/", 1)[0]
-        if not head.startswith("rank:") or not head[5:].isdigit():
-            raise ValueError(f"shard placement {self.placement!r} is not of the form 'rank:R/DEVICE'")
-        return int(head[5:])
+        match = _PLACEMENT.fullmatch(self.placement)
+        assert match is not None  # checked at construction
+        return int(match.group(1))
 
     @property
     def device(self) -> str:
-        """The device string of the placement (``cpu``, ``cuda:1``...)."""
-        parts = self.placement.split("/", 1)
-        return parts[1] if len(parts) == 2 else "cpu"
+        """The device string of the placement (``cpu``, ``cuda:1``...); ``cpu`` if none is named."""
+        match = _PLACEMENT.fullmatch(self.placement)
+        assert match is not None  # checked at construction
+        return match.group(2) or "cpu"
 
     @classmethod
-    def on(cls, rank: int, device: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ShardSpec:
-        """Build a spec placed on ``rank`` and ``device`` (``cpu``, ``cuda``, ``cuda:3``)."""
-        if device == "cuda":
-            device = f"cuda:{rank}"
+    def on(
+        cls, rank: int, device: str, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> ShardSpec:
+        """Build a spec placed on ``rank`` and ``device`` (``cpu``, ``cuda``, ``cuda:3``).
+
+        Args:
+            rank: the rank that holds the shard.
+            device: a device string; a bare accelerator type (``"cuda"``) becomes ``cuda:RANK``.
+            offsets: index of the shard's first element along each dimension.
+            sizes: the shard's extent along each dimension.
+        """
+        if device != "cpu" and ":" not in device:
+            device = f"{device}:{rank}"
         return cls(offsets=offsets, sizes=sizes, placement=f"rank:{rank}/{device}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "placement": self.placement}
+        """A JSON-ready dict: ``{"offsets": [...], "sizes": [...], "placement": "..."}``."""
+        return {
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+            "placement": self.placement,
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardSpec:
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardSpec:
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: a field is missing or unknown, or the values are invalid.
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"shard spec must be a mapping, got {data!r}")
+        unknown = sorted(set(data) - {"offsets", "sizes", "placement"})
+        if unknown:
+            raise ValueError(f"shard spec {dict(data)!r} has unknown field(s) {unknown}")
         try:
-            return cls(tuple(data["offsets"]), tuple(data["sizes"]), str(data["placement"]))
+            return cls(tuple(data["offsets"]), tuple(data["sizes"]), data["placement"])
         except KeyError as e:
-            raise ValueError(f"shard spec {data!r} lacks field {e.args[0]!r}") from None
+            raise ValueError(f"shard spec {dict(data)!r} lacks field {e.args[0]!r}") from None
 
     def to_torch(self) -> ShardMetadata:
         """The equivalent ``torch.distributed._shard.metadata.ShardMetadata`` (imported lazily)."""
@@ -80,4 +129,5 @@ class ShardSpec:
 
     @classmethod
     def from_torch(cls, md: ShardMetadata) -> ShardSpec:
+        """Build a spec from a torch ``ShardMetadata``."""
         return cls(tuple(md.shard_offsets), tuple(md.shard_sizes), str(md.placement))

@@ -1,0 +1,372 @@
+"""All-to-all of KeyedJaggedTensors: every rank gets, for its keys, the bags of every rank.
+
+The input KJT of each rank has its keys already grouped by destination: ``splits[r]`` keys
+(contiguous, in order) go to rank ``r``; every rank passes the same keys and ``splits``. Rank
+``r`` receives, for each of its keys, the lengths / values / weights of every source rank and
+returns a KJT with those keys whose batch, for each key, is the source ranks' batches
+concatenated in source-rank order (``stagger`` changes that order as TorchRec's does).
+
+Two phases, as in TorchRec:
+
+1. ``KJTAllToAll(kjt)`` starts an all-to-all of a small int64 header per peer (per-key batch
+   sizes and id counts, weightedness, dtypes and a checksum of keys and splits) and returns a
+   ``KJTAllToAllSplitsAwaitable``;
+2. its ``wait()`` checks that the ranks agree, starts the all-to-alls of lengths, values and
+   (if any) weights, and returns a ``KJTAllToAllTensorsAwaitable``, whose ``wait()`` returns the
+   received KJT.
+
+Guarantees:
+    * exact: ids, lengths and weights arrive bit for bit, within-bag order kept;
+    * batch sizes may differ per source rank; the result is a plain KJT with
+      ``stride = sum of the sources' strides`` unless some source's KJT has a variable stride
+      per key, in which case the result has ``stride_per_key_per_rank[k][i]`` = key ``k``'s
+      batch size on the ``i``-th source (in source order);
+    * disagreement between ranks on keys, splits, weightedness or dtypes raises the same
+      ``ValueError`` on every rank in phase 1 (so no rank is left waiting);
+    * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
+      ``CollectiveError`` naming ``kjt_all_to_all.splits`` / ``.lengths`` / ``.values`` /
+      ``.weights``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from embshard_dist.comm._dtypes import dtype_code, dtype_name
+from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+from embshard_types.awaitables import Awaitable
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+
+NAME = "kjt_all_to_all"
+
+# Header fields sent to each peer, followed by that peer's keys' batch sizes and id counts.
+_CRC, _WEIGHTED, _LEN_DTYPE, _VAL_DTYPE, _W_DTYPE, _VBE, _STRIDE = range(7)
+_FIXED = 7
+
+
+def source_order(world_size: int, stagger: int = 1) -> list[int]:
+    """The order in which source ranks' samples are concatenated for each received key.
+
+    With ``stagger = 1`` it is ``0, 1, ..., W-1``; otherwise (TorchRec's staggered order, used
+    when ranks are grouped by node) ``x + (W // stagger) * y`` for ``x`` in
+    ``range(W // stagger)``, then ``y`` in ``range(stagger)``.
+
+    Args:
+        world_size: number of ranks ``W``.
+        stagger: a divisor of ``W``.
+
+    Raises:
+        ValueError: ``stagger`` does not divide ``world_size``.
+    """
+    if stagger < 1 or world_size % stagger:
+        raise ValueError(
+            f"{NAME}: stagger {stagger} must be a positive divisor of the world size {world_size}"
+        )
+    per = world_size // stagger
+    return [x + per * y for x in range(per) for y in range(stagger)]
+
+
+def _keys_checksum(keys: Sequence[str], splits: Sequence[int]) -> int:
+    text = "\x1f".join(keys) + "\x1e" + ",".join(str(s) for s in splits)
+    return zlib.crc32(text.encode())
+
+
+def _to_key_major(data: Tensor, sizes: list[list[int]], order: list[int]) -> Tensor:
+    """Reorder segments from [source][key] (as received) to [key][source in ``order``]."""
+    num_keys = len(sizes[0]) if sizes else 0
+    if num_keys == 0 or data.numel() == 0:
+        return data
+    chunks = data.split([n for per_source in sizes for n in per_source])
+    return torch.cat([chunks[s * num_keys + k] for k in range(num_keys) for s in order])
+
+
+class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
+    """Phase 2: lengths, values and weights in flight; ``wait()`` returns the received KJT.
+
+    Args:
+        pending: the issued collectives (lengths, values, then weights if any).
+        buffers: their receive buffers, in the same order.
+        keys: this rank's keys.
+        strides: ``strides[s][k]``: batch size of key ``k`` sent by source ``s``.
+        counts: ``counts[s][k]``: number of ids of key ``k`` sent by source ``s``.
+        order: source order for the result (see ``source_order``).
+        variable_stride: whether some source had a variable stride per key.
+        source_strides: each source's ``stride()``.
+    """
+
+    def __init__(
+        self,
+        pending: list[PendingCollective],
+        buffers: list[Tensor],
+        keys: list[str],
+        strides: list[list[int]],
+        counts: list[list[int]],
+        order: list[int],
+        variable_stride: bool,
+        source_strides: list[int],
+    ) -> None:
+        super().__init__()
+        self._pending = pending
+        self._buffers = buffers
+        self._keys = keys
+        self._strides = strides
+        self._counts = counts
+        self._order = order
+        self._variable_stride = variable_stride
+        self._source_strides = source_strides
+        self._result: KeyedJaggedTensor | None = None
+
+    def _wait_impl(self) -> KeyedJaggedTensor:
+        if self._result is not None:
+            return self._result
+        for p in self._pending:
+            p.wait()
+        lengths = _to_key_major(self._buffers[0], self._strides, self._order)
+        values = _to_key_major(self._buffers[1], self._counts, self._order)
+        weights = (
+            _to_key_major(self._buffers[2], self._counts, self._order)
+            if len(self._buffers) > 2
+            else None
+        )
+        per_key = range(len(self._keys))
+        length_per_key = [sum(c[k] for c in self._counts) for k in per_key]
+        if self._variable_stride:
+            self._result = KeyedJaggedTensor(
+                keys=self._keys,
+                values=values,
+                weights=weights,
+                lengths=lengths,
+                stride_per_key_per_rank=[
+                    [self._strides[s][k] for s in self._order] for k in per_key
+                ],
+                length_per_key=length_per_key,
+            )
+        else:
+            self._result = KeyedJaggedTensor(
+                keys=self._keys,
+                values=values,
+                weights=weights,
+                lengths=lengths,
+                stride=sum(self._source_strides),
+                length_per_key=length_per_key,
+            )
+        self._pending, self._buffers = [], []
+        return self._result
+
+
+class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
+    """Phase 1: the headers in flight; ``wait()`` starts phase 2 and returns its awaitable."""
+
+    def __init__(
+        self,
+        pending: PendingCollective,
+        header: Tensor,
+        input: KeyedJaggedTensor,
+        ranges: list[tuple[int, int]],
+        rank: int,
+        group: dist.ProcessGroup | None,
+        order: list[int],
+        timeout: Timeout,
+    ) -> None:
+        super().__init__()
+        self._pending = pending
+        self._header = header
+        self._input = input
+        self._ranges = ranges
+        self._rank = rank
+        self._group = group
+        self._order = order
+        self._timeout = timeout
+        self._result: KJTAllToAllTensorsAwaitable | None = None
+
+    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
+        if self._result is None:
+            self._pending.wait()
+            self._result = self._start_tensors()
+        return self._result
+
+    def _start_tensors(self) -> KJTAllToAllTensorsAwaitable:
+        world = len(self._ranges)
+        a, b = self._ranges[self._rank]
+        num_keys = b - a
+        rows = self._header.reshape(world, _FIXED + 2 * num_keys).tolist()
+        _check_agreement(rows)
+        strides = [row[_FIXED : _FIXED + num_keys] for row in rows]
+        counts = [row[_FIXED + num_keys :] for row in rows]
+        kjt = self._input
+        stride_per_key = kjt.stride_per_key()
+        length_per_key = kjt.length_per_key()
+        send_lengths = [sum(stride_per_key[lo:hi]) for lo, hi in self._ranges]
+        send_values = [sum(length_per_key[lo:hi]) for lo, hi in self._ranges]
+        recv_lengths = [sum(s) for s in strides]
+        recv_values = [sum(c) for c in counts]
+        tensors = [("lengths", kjt.lengths(), send_lengths, recv_lengths)]
+        tensors.append(("values", kjt.values(), send_values, recv_values))
+        weights = kjt.weights_or_none()
+        if weights is not None:
+            tensors.append(("weights", weights, send_values, recv_values))
+        pending, buffers = [], []
+        for what, send, send_sizes, recv_sizes in tensors:
+            send = send.contiguous()
+            recv = send.new_empty(sum(recv_sizes))
+            pending.append(
+                issue(
+                    f"{NAME}.{what}",
+                    _all_to_all(recv, send, recv_sizes, send_sizes, self._group),
+                    group=self._group,
+                    timeout=self._timeout,
+                    device=send.device,
+                )
+            )
+            buffers.append(recv)
+        return KJTAllToAllTensorsAwaitable(
+            pending=pending,
+            buffers=buffers,
+            keys=kjt.keys()[a:b],
+            strides=strides,
+            counts=counts,
+            order=self._order,
+            variable_stride=any(row[_VBE] for row in rows),
+            source_strides=[row[_STRIDE] for row in rows],
+        )
+
+
+def _all_to_all(
+    recv: Tensor,
+    send: Tensor,
+    recv_sizes: list[int],
+    send_sizes: list[int],
+    group: dist.ProcessGroup | None,
+) -> Callable[[], dist.Work | None]:
+    def start() -> dist.Work | None:
+        return dist.all_to_all_single(
+            recv, send, recv_sizes, send_sizes, group=group, async_op=True
+        )
+
+    return start
+
+
+def _check_agreement(rows: list[list[int]]) -> None:
+    """Raise the same ValueError on every rank when the sources' headers disagree."""
+
+    def ranks_by(field: int, show: Callable[[int], str]) -> str:
+        return "; ".join(f"rank {r}: {show(row[field])}" for r, row in enumerate(rows))
+
+    if len({row[_CRC] for row in rows}) > 1:
+        raise ValueError(
+            f"{NAME}: the ranks' KJTs have different keys, key order or splits (checksums "
+            f"{ranks_by(_CRC, str)}); every rank must pass the same keys grouped by the same splits"
+        )
+    if len({row[_WEIGHTED] for row in rows}) > 1:
+        raise ValueError(
+            f"{NAME}: some ranks' KJTs carry weights and some do not "
+            f"({ranks_by(_WEIGHTED, lambda w: 'weighted' if w else 'unweighted')}); "
+            "make the features weighted on every rank or on none"
+        )
+    for field, what in ((_LEN_DTYPE, "lengths"), (_VAL_DTYPE, "values"), (_W_DTYPE, "weights")):
+        if len({row[field] for row in rows}) > 1:
+            raise ValueError(
+                f"{NAME}: ranks disagree on the dtype of the {what} "
+                f"({ranks_by(field, dtype_name)}); cast them to one dtype on every rank"
+            )
+
+
+class KJTAllToAll(nn.Module):
+    """Redistributes a KJT's keys to the ranks that own them (see the module docstring).
+
+    Args:
+        pg: the process group (``None``: the default group).
+        splits: number of keys sent to each rank, in rank order (same on every rank).
+        stagger: source order of the result (see ``source_order``); 1 for rank order.
+        timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+
+    Raises:
+        ValueError: ``splits`` does not have one non-negative count per rank.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | None,
+        splits: Sequence[int],
+        stagger: int = 1,
+        timeout: Timeout = None,
+    ) -> None:
+        super().__init__()
+        self._pg = pg
+        self._world = dist.get_world_size(pg)
+        self._rank = dist.get_rank(pg)
+        self._splits = [int(s) for s in splits]
+        if len(self._splits) != self._world or any(s < 0 for s in self._splits):
+            raise ValueError(
+                f"{NAME}: splits {self._splits} must list one non-negative key count per rank "
+                f"of the group ({self._world} ranks)"
+            )
+        self._order = source_order(self._world, stagger)
+        self._timeout = timeout
+        bounds = [0]
+        for s in self._splits:
+            bounds.append(bounds[-1] + s)
+        self._ranges = list(itertools.pairwise(bounds))
+
+    @property
+    def splits(self) -> list[int]:
+        """Number of keys sent to each rank."""
+        return list(self._splits)
+
+    def forward(self, input: KeyedJaggedTensor) -> KJTAllToAllSplitsAwaitable:
+        """Start phase 1 for ``input``.
+
+        Args:
+            input: this rank's KJT, keys grouped by destination rank as ``splits`` says.
+
+        Raises:
+            ValueError: the KJT does not have ``sum(splits)`` keys.
+        """
+        keys = input.keys()
+        if len(keys) != self._ranges[-1][1]:
+            raise ValueError(
+                f"{NAME} on rank {self._rank}: the KJT has {len(keys)} keys {keys} but splits "
+                f"{self._splits} add up to {self._ranges[-1][1]}"
+            )
+        weights = input.weights_or_none()
+        fixed = [0] * _FIXED
+        fixed[_CRC] = _keys_checksum(keys, self._splits)
+        fixed[_WEIGHTED] = int(weights is not None)
+        fixed[_LEN_DTYPE] = dtype_code(input.lengths().dtype)
+        fixed[_VAL_DTYPE] = dtype_code(input.values().dtype)
+        fixed[_W_DTYPE] = dtype_code(None if weights is None else weights.dtype)
+        fixed[_VBE] = int(input.variable_stride_per_key())
+        fixed[_STRIDE] = input.stride()
+        stride_per_key = input.stride_per_key()
+        length_per_key = input.length_per_key()
+        send: list[int] = []
+        for lo, hi in self._ranges:
+            send += fixed + stride_per_key[lo:hi] + length_per_key[lo:hi]
+        device = input.device()
+        send_header = torch.tensor(send, dtype=torch.int64).to(device)
+        send_sizes = [_FIXED + 2 * (hi - lo) for lo, hi in self._ranges]
+        recv_sizes = [_FIXED + 2 * self._splits[self._rank]] * self._world
+        recv_header = send_header.new_empty(sum(recv_sizes))
+        pending = issue(
+            f"{NAME}.splits",
+            _all_to_all(recv_header, send_header, recv_sizes, send_sizes, self._pg),
+            group=self._pg,
+            timeout=self._timeout,
+            device=device,
+        )
+        return KJTAllToAllSplitsAwaitable(
+            pending=pending,
+            header=recv_header,
+            input=input,
+            ranges=self._ranges,
+            rank=self._rank,
+            group=self._pg,
+            order=self._order,
+            timeout=self._timeout,
+        )

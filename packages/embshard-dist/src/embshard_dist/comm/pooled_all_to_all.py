@@ -1,0 +1,207 @@
+"""All-to-all of pooled embeddings: from "my tables, everyone's batch" to "my batch, all tables".
+
+After the input all-to-all, rank ``s`` holds pooled embeddings of *its* tables (``D_s`` columns
+in all, ``dim_sum_per_rank[s]``) for the samples of *every* rank, stacked by source rank:
+``[B_0 + ... + B_{W-1}, D_s]``. This collective sends to rank ``r`` the rows of rank ``r``'s
+samples; rank ``r`` receives ``[B_r, D_s]`` from every ``s`` and concatenates them along the
+columns in rank order: ``[B_r, D_0 + ... + D_{W-1}]``.
+
+Guarantees:
+    * exact: without a codec the output holds the very bits of the input rows; columns come in
+      source-rank order, rows in the order they were sent;
+    * differentiable: the backward pass is the reverse all-to-all of the output's gradient
+      (each source rank gets back the gradient of the rows it sent);
+    * codecs: ``codecs.forward`` encodes what is sent in the forward pass and decodes what
+      arrives, ``codecs.backward`` does the same for gradients; each per-peer chunk is coded on
+      its own (see ``_codec``);
+    * batch sizes may differ per rank (``batch_size_per_rank``), ranks may hold no tables
+      (``D_s = 0``);
+    * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
+      ``CollectiveError`` naming ``pooled_all_to_all.forward`` or ``.backward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from embshard_dist.comm._async_autograd import CollectiveAwaitable
+from embshard_dist.comm._codec import ChunkCodec
+from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+from embshard_types.awaitables import Awaitable
+from embshard_types.comm_codec import QuantizedCommCodecs
+
+NAME = "pooled_all_to_all"
+
+
+class _PooledAllToAllOp:
+    """One call: forward sends rows to their batch's rank, backward sends gradients back."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        dim_sum_per_rank: list[int],
+        batch_size_per_rank: list[int],
+        codecs: QuantizedCommCodecs | None,
+        timeout: Timeout,
+    ) -> None:
+        self._group = group
+        self._rank = rank
+        self._dims = dim_sum_per_rank
+        self._batches = batch_size_per_rank
+        self._codecs = codecs
+        self._timeout = timeout
+        self._pending: PendingCollective | None = None
+        self._recv: Tensor | None = None
+        self._coder: ChunkCodec | None = None
+        self._recv_shapes: list[tuple[int, int]] = []
+
+    def _exchange(
+        self,
+        chunks: Sequence[Tensor],
+        recv_shapes: list[tuple[int, int]],
+        coder: ChunkCodec,
+        direction: str,
+    ) -> None:
+        wire = [coder.encode(c) for c in chunks]
+        send = torch.cat(wire) if wire else torch.empty(0, dtype=coder.wire_dtype)
+        recv_sizes = [coder.wire_size(b * d) for b, d in recv_shapes]
+        recv = send.new_empty(sum(recv_sizes))
+        send_sizes = [w.numel() for w in wire]
+        self._pending = issue(
+            f"{NAME}.{direction}",
+            lambda: dist.all_to_all_single(
+                recv, send, recv_sizes, send_sizes, group=self._group, async_op=True
+            ),
+            group=self._group,
+            timeout=self._timeout,
+            device=send.device,
+        )
+        self._recv, self._coder, self._recv_shapes = recv, coder, recv_shapes
+
+    def _received(self) -> list[Tensor]:
+        assert self._pending is not None and self._recv is not None and self._coder is not None
+        self._pending.wait()
+        coder, shapes = self._coder, self._recv_shapes
+        sizes = [coder.wire_size(b * d) for b, d in shapes]
+        parts = self._recv.split(sizes)
+        out = [coder.decode(p, s) for p, s in zip(parts, shapes, strict=True)]
+        self._pending = self._recv = self._coder = None
+        return out
+
+    def start_forward(self, input: Tensor) -> None:
+        chunks = list(input.split(self._batches, dim=0))
+        coder = ChunkCodec(self._codecs.forward if self._codecs else None, input.dtype)
+        recv_shapes = [(self._batches[self._rank], d) for d in self._dims]
+        self._exchange(chunks, recv_shapes, coder, "forward")
+
+    def finish_forward(self) -> Tensor:
+        return torch.cat(self._received(), dim=1)
+
+    def start_backward(self, grad_output: Tensor) -> None:
+        chunks = [c.contiguous() for c in grad_output.split(self._dims, dim=1)]
+        coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
+        recv_shapes = [(b, self._dims[self._rank]) for b in self._batches]
+        self._exchange(chunks, recv_shapes, coder, "backward")
+
+    def finish_backward(self) -> Tensor:
+        return torch.cat(self._received(), dim=0)
+
+
+class PooledEmbeddingsAllToAll(nn.Module):
+    """All-to-all of pooled embeddings (see the module docstring for the layout).
+
+    Args:
+        pg: the process group (``None``: the default group).
+        dim_sum_per_rank: total embedding width each rank contributes, in rank order.
+        device: unused on CPU; kept for TorchRec's signature (tensors stay on their device).
+        callbacks: functions applied in order to the output when it is waited for.
+        codecs: forward / backward codecs for the payload (``None``: sent as it is).
+        timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+
+    Raises:
+        ValueError: ``dim_sum_per_rank`` does not have one non-negative width per rank.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | None,
+        dim_sum_per_rank: Sequence[int],
+        device: torch.device | None = None,
+        callbacks: Sequence[Callable[[Tensor], Tensor]] | None = None,
+        codecs: QuantizedCommCodecs | None = None,
+        timeout: Timeout = None,
+    ) -> None:
+        super().__init__()
+        self._pg = pg
+        self._world = dist.get_world_size(pg)
+        self._rank = dist.get_rank(pg)
+        dims = [int(d) for d in dim_sum_per_rank]
+        if len(dims) != self._world or any(d < 0 for d in dims):
+            raise ValueError(
+                f"{NAME}: dim_sum_per_rank {dims} must list one non-negative width per rank "
+                f"of the group ({self._world} ranks)"
+            )
+        self._dim_sum_per_rank = dims
+        self._device = device
+        self._callbacks = list(callbacks or [])
+        self._codecs = codecs
+        self._timeout = timeout
+
+    @property
+    def dim_sum_per_rank(self) -> list[int]:
+        """Embedding width each rank contributes."""
+        return list(self._dim_sum_per_rank)
+
+    def forward(
+        self, local_embs: Tensor, batch_size_per_rank: Sequence[int] | None = None
+    ) -> Awaitable[Tensor]:
+        """Start the all-to-all; the returned awaitable's ``wait()`` gives ``[B_me, sum(D)]``.
+
+        Args:
+            local_embs: ``[sum(batch_size_per_rank), dim_sum_per_rank[me]]``, rows stacked by
+                the rank whose sample they belong to.
+            batch_size_per_rank: each rank's batch size (the same list on every rank);
+                ``None`` means an equal batch on every rank.
+
+        Raises:
+            ValueError: the shape of ``local_embs`` does not fit the batch sizes and widths.
+        """
+        batches = self._batch_sizes(local_embs, batch_size_per_rank)
+        op = _PooledAllToAllOp(
+            self._pg, self._rank, self._dim_sum_per_rank, batches, self._codecs, self._timeout
+        )
+        awaitable = CollectiveAwaitable(op, local_embs)
+        awaitable.callbacks.extend(self._callbacks)
+        return awaitable
+
+    def _batch_sizes(self, local_embs: Tensor, given: Sequence[int] | None) -> list[int]:
+        where = f"{NAME} on rank {self._rank}"
+        if local_embs.dim() != 2:
+            raise ValueError(
+                f"{where}: local_embs must be 2-D [rows, dim], got shape {tuple(local_embs.shape)}"
+            )
+        rows, width = local_embs.shape
+        if width != self._dim_sum_per_rank[self._rank]:
+            raise ValueError(
+                f"{where}: local_embs has {width} columns but dim_sum_per_rank says this rank "
+                f"sends {self._dim_sum_per_rank[self._rank]}"
+            )
+        if given is None:
+            if rows % self._world:
+                raise ValueError(
+                    f"{where}: {rows} rows do not split evenly over {self._world} ranks; pass "
+                    "batch_size_per_rank for a batch size that differs per rank"
+                )
+            return [rows // self._world] * self._world
+        batches = [int(b) for b in given]
+        if len(batches) != self._world or any(b < 0 for b in batches) or sum(batches) != rows:
+            raise ValueError(
+                f"{where}: batch_size_per_rank {batches} must list {self._world} non-negative "
+                f"batch sizes adding up to the {rows} rows of local_embs"
+            )
+        return batches

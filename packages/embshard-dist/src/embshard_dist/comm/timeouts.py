@@ -1,0 +1,275 @@
+"""Collective timeouts and the one error every failed collective becomes.
+
+Every collective embshard issues goes through :func:`issue` and :meth:`PendingCollective.wait`,
+so that a dead or hung peer never hangs the caller:
+
+* the time limit of one wait is, in order of precedence, the ``timeout`` passed to the call,
+  the environment variable ``EMBSHARD_COLLECTIVE_TIMEOUT_S`` (seconds, read at each call),
+  and :data:`DEFAULT_COLLECTIVE_TIMEOUT_S` (120 s);
+* on CPU tensors (gloo) the wait blocks the host for at most that limit; a peer that died makes
+  gloo raise at once (connection closed / reset) and a peer that hangs makes it time out: both
+  surface as :class:`CollectiveError`, naming the collective, this rank and the process group;
+* on accelerator tensors (NCCL) the wait only orders the current stream after the collective,
+  as NCCL's own ``wait()`` does; there the process group's own timeout, given to
+  ``init_process_group``, bounds a hang (NCCL's watchdog aborts the communicator).
+
+After a :class:`CollectiveError` the process group is in an undefined state: the only safe thing
+to do is to report the error and end the process (or destroy the group).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+ENV_TIMEOUT_VAR = "EMBSHARD_COLLECTIVE_TIMEOUT_S"
+"""Environment variable that overrides the default time limit of a collective, in seconds."""
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+"""Time limit of a collective when neither the call nor the environment sets one."""
+
+Timeout = float | int | timedelta | None
+"""A time limit: seconds, a ``timedelta``, or ``None`` for the environment / default limit."""
+
+
+def collective_timeout(timeout: Timeout = None) -> timedelta:
+    """Resolve the time limit of one collective.
+
+    Args:
+        timeout: the per-call limit (seconds or ``timedelta``); ``None`` reads
+            ``EMBSHARD_COLLECTIVE_TIMEOUT_S``, then falls back to 120 s.
+
+    Raises:
+        ValueError: the limit (or the environment variable) is not a positive number.
+    """
+    if timeout is None:
+        raw = os.environ.get(ENV_TIMEOUT_VAR, "").strip()
+        if not raw:
+            return timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"environment variable {ENV_TIMEOUT_VAR}={raw!r} is not a number of seconds; "
+                "set it to e.g. 120 or unset it"
+            ) from None
+        where = f"environment variable {ENV_TIMEOUT_VAR}"
+    elif isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+        where = "timeout argument"
+    else:
+        seconds = float(timeout)
+        where = "timeout argument"
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{where} must be a positive, finite number of seconds, got {seconds}")
+    return timedelta(seconds=seconds)
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (``None`` is the default, world group)."""
+    return list(dist.get_process_group_ranks(group if group is not None else _world()))
+
+
+def describe_group(group: dist.ProcessGroup | None) -> str:
+    """A short human description of a process group, for error messages."""
+    pg = group if group is not None else _world()
+    try:
+        name = str(pg.group_name)
+    except RuntimeError:
+        name = "?"
+    ranks = group_ranks(group)
+    shown = f"{ranks}" if len(ranks) <= 16 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)"
+    return f"process group {name!r} with global ranks {shown}"
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group first"
+        )
+    return world
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not finish in time on this rank.
+
+    Attributes:
+        collective: what was being exchanged, e.g. ``"pooled_all_to_all.forward"``.
+        rank: this process's global rank.
+        group: description of the process group (name and global ranks).
+        peer: the peer's global rank when the collective had a single peer, else ``None``.
+        timed_out: ``True`` when the limit ran out, ``False`` when the backend reported an error
+            (typically a peer that closed its connection because it died).
+        timeout_s: the limit in seconds that applied.
+    """
+
+    def __init__(
+        self,
+        collective: str,
+        *,
+        rank: int,
+        group: str,
+        reason: str,
+        timed_out: bool,
+        timeout_s: float,
+        peer: int | None = None,
+    ) -> None:
+        self.collective = collective
+        self.rank = rank
+        self.group = group
+        self.peer = peer
+        self.timed_out = timed_out
+        self.timeout_s = timeout_s
+        self.reason = reason
+        peer_text = f" with peer rank {peer}" if peer is not None else ""
+        if timed_out:
+            what = (
+                f"timed out after {timeout_s:g} s ({reason}). A peer rank is hung or dead, or the "
+                "ranks issued collectives in different orders; check the other ranks' logs. "
+                f"Pass timeout= or set {ENV_TIMEOUT_VAR} to change the limit"
+            )
+        else:
+            what = (
+                f"failed: {reason}. A peer rank probably died or failed first; "
+                "check the other ranks' logs"
+            )
+        super().__init__(f"collective {collective!r} on rank {rank}{peer_text} in {group} {what}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only constructor: pickle (e.g. to send the error to a parent process) by state.
+        return (_rebuild_collective_error, (str(self), self.__dict__.copy()))
+
+
+def _rebuild_collective_error(message: str, state: dict[str, object]) -> CollectiveError:
+    err = CollectiveError.__new__(CollectiveError)
+    RuntimeError.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else -1
+
+
+def _looks_timed_out(message: str) -> bool:
+    lowered = message.lower()
+    return "timed out" in lowered or "timeout" in lowered
+
+
+@dataclass
+class PendingCollective:
+    """An issued asynchronous collective that has not been waited for yet.
+
+    Args:
+        work: the ``torch.distributed`` work handle.
+        collective: the name used in errors.
+        group: the process group it runs on (``None``: world).
+        timeout: the resolved time limit.
+        device: device of the exchanged tensors; CPU waits block the host with the limit,
+            accelerator waits only order the current stream.
+        peer: the single peer's global rank, if there is one.
+    """
+
+    work: dist.Work
+    collective: str
+    group: dist.ProcessGroup | None
+    timeout: timedelta
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    peer: int | None = None
+    _done: bool = False
+
+    def wait(self) -> None:
+        """Wait for the collective; idempotent.
+
+        Raises:
+            CollectiveError: the backend reported an error or the time limit ran out.
+        """
+        if self._done:
+            return
+        start = time.monotonic()
+        try:
+            if self.device.type == "cpu":
+                finished = self.work.wait(self.timeout)
+            else:
+                finished = self.work.wait()
+        except RuntimeError as e:
+            elapsed = time.monotonic() - start
+            timed_out = _looks_timed_out(str(e)) or elapsed >= self.timeout.total_seconds()
+            raise self._error(_first_line(str(e)), timed_out=timed_out) from e
+        if finished is False:
+            raise self._error("the backend reported that the work did not finish", timed_out=True)
+        self._done = True
+
+    def _error(self, reason: str, *, timed_out: bool) -> CollectiveError:
+        return CollectiveError(
+            self.collective,
+            rank=_this_rank(),
+            group=describe_group(self.group),
+            reason=reason,
+            timed_out=timed_out,
+            timeout_s=self.timeout.total_seconds(),
+            peer=self.peer,
+        )
+
+
+def _first_line(message: str) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else "no message"
+    return line if len(line) <= 400 else line[:400] + "..."
+
+
+def issue(
+    collective: str,
+    start: Callable[[], dist.Work | None],
+    *,
+    group: dist.ProcessGroup | None,
+    timeout: Timeout = None,
+    device: torch.device | None = None,
+    peer: int | None = None,
+) -> PendingCollective:
+    """Start an asynchronous collective and wrap its handle.
+
+    Args:
+        collective: the name used in errors (e.g. ``"kjt_all_to_all.values"``).
+        start: a callable that issues the collective with ``async_op=True`` and returns its work.
+        group: the process group the collective runs on (``None``: world).
+        timeout: the per-call limit; see :func:`collective_timeout`.
+        device: device of the exchanged tensors (default CPU).
+        peer: the single peer's global rank, if there is one.
+
+    Raises:
+        CollectiveError: the backend refused the collective at once (e.g. a closed connection).
+        ValueError: this rank is not a member of ``group``.
+    """
+    limit = collective_timeout(timeout)
+    try:
+        work = start()
+    except RuntimeError as e:
+        raise CollectiveError(
+            collective,
+            rank=_this_rank(),
+            group=describe_group(group),
+            reason=_first_line(str(e)),
+            timed_out=_looks_timed_out(str(e)),
+            timeout_s=limit.total_seconds(),
+            peer=peer,
+        ) from e
+    if work is None:
+        raise ValueError(
+            f"collective {collective!r}: rank {_this_rank()} is not a member of "
+            f"{describe_group(group)}; issue it only on the group's ranks"
+        )
+    return PendingCollective(
+        work=work,
+        collective=collective,
+        group=group,
+        timeout=limit,
+        device=device if device is not None else torch.device("cpu"),
+        peer=peer,
+    )

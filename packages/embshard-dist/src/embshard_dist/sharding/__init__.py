@@ -1,0 +1,1 @@
+"""Sharding strategies and the layout arithmetic they share (import modules by path)."""

@@ -1,0 +1,88 @@
+"""The blocking collective helpers on real gloo ranks against single-process references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _mp import run_on_ranks
+
+from embshard_dist.comm.collectives import (
+    all_gather_ints,
+    all_gather_v,
+    all_reduce,
+    barrier,
+    sparse_all_gather,
+    sparse_all_reduce,
+    sum_rows,
+)
+
+
+def _touched(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows touched on ``rank`` (repeats, and none at all on rank 1) and their gradients."""
+    g = torch.Generator().manual_seed(6000 + rank)
+    n = 0 if rank == 1 else 3 + 2 * rank
+    rows = torch.randint(0, 6, (n,), generator=g)
+    return rows, torch.randn(n, 3, generator=g)
+
+
+def _collectives_case() -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    barrier(timeout=10)
+
+    t = torch.full((2,), float(rank + 1))
+    assert all_reduce(t) is t
+    assert t.tolist() == [world * (world + 1) / 2] * 2
+
+    assert all_gather_ints([rank, 10 * rank]) == [[r, 10 * r] for r in range(world)]
+
+    mine = torch.arange(rank * 2, dtype=torch.float32).reshape(rank, 2)  # rank 0: no rows
+    gathered = all_gather_v(mine)
+    assert [tuple(x.shape) for x in gathered] == [(r, 2) for r in range(world)]
+    for r, x in enumerate(gathered):
+        assert torch.equal(x, torch.arange(r * 2, dtype=torch.float32).reshape(r, 2))
+
+    everyone = [_touched(r) for r in range(world)]
+    rows, grads = sparse_all_gather(*everyone[rank])
+    assert torch.equal(rows, torch.cat([r for r, _ in everyone]))
+    assert torch.equal(grads, torch.cat([g for _, g in everyone]))
+
+    unique, summed = sparse_all_reduce(*everyone[rank])
+    all_rows = torch.cat([r for r, _ in everyone]).tolist()
+    all_grads = torch.cat([g for _, g in everyone])
+    expected_rows = sorted(set(all_rows))
+    assert unique.tolist() == expected_rows
+    for i, row in enumerate(expected_rows):
+        acc = torch.zeros(3)
+        for j, r in enumerate(all_rows):  # rank order, then each rank's own order
+            if r == row:
+                acc += all_grads[j]
+        assert torch.equal(summed[i], acc)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_match_reference(world: int) -> None:
+    assert run_on_ranks(world, _collectives_case) == [True] * world
+
+
+def _shape_mismatch_case() -> str:
+    rank = dist.get_rank()
+    try:
+        all_gather_v(torch.zeros(2, 3 + rank))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_all_gather_v_reports_shape_disagreement_on_every_rank() -> None:
+    messages = run_on_ranks(2, _shape_mismatch_case)
+    assert all("rank 0: torch.float32 [3], rank 1: torch.float32 [4]" in m for m in messages)
+
+
+def test_sum_rows_is_local_and_checks_shapes() -> None:
+    rows, summed = sum_rows(torch.tensor([4, 1, 4]), torch.tensor([[1.0], [2.0], [3.0]]))
+    assert rows.tolist() == [1, 4]
+    assert summed.tolist() == [[2.0], [4.0]]
+    with pytest.raises(ValueError, match="one 2-D gradient row per id"):
+        sum_rows(torch.tensor([1, 2]), torch.zeros(3, 2))
