@@ -45,7 +45,9 @@ def import_cost_s(module: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("packages", nargs="*", default=list(PACKAGES))
@@ -54,7 +56,9 @@ def main() -> None:
     for module in args.packages:
         samples = [import_cost_s(module) for _ in range(args.repeat)]
         figures[module] = statistics.median(samples)
-        print(f"{module:18} {figures[module] * 1000:7.1f} ms beyond torch (median of {args.repeat})")
+        print(
+            f"{module:18} {figures[module] * 1000:7.1f} ms beyond torch (median of {args.repeat})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

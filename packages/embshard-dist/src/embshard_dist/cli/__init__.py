@@ -19,7 +19,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``embshard`` command."""
-    parser = argparse.ArgumentParser(prog="embshard", description="Sharded embedding tables for PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="embshard", description="Sharded embedding tables for PyTorch."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
