@@ -1,3 +1,66 @@
-"""embshard-optim."""
+"""embshard-optim: optimizers whose state is keyed by name and sharded like the tables.
 
-__all__: list[str] = []
+Keyed and combined optimizers, fused optimizers (applied inside the backward pass), the
+embedding fused optimizer exposing per-table state as ShardedTensor / DTensor, optimizer specs,
+plain-torch sparse update rules (``embshard_optim.sparse_rules``), warm-up and clipping. Depends
+on torch and embshard-types only; never imports FBGEMM.
+"""
+
+from __future__ import annotations
+
+from embshard_optim.clipping import GradientClipping, GradientClippingOptimizer
+from embshard_optim.combined import CombinedOptimizer
+from embshard_optim.embedding_fused import EmbeddingFusedOptimizer, FusedKernelLike, TableShardInfo
+from embshard_optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from embshard_optim.keyed import (
+    KeyedOptimizer,
+    KeyedOptimizerWrapper,
+    MergedState,
+    OptimizerWrapper,
+)
+from embshard_optim.sharded_state import (
+    StateFormat,
+    check_tiling,
+    make_dtensor,
+    make_mesh,
+    make_sharded_tensor,
+    pointwise_state_layout,
+    rowwise_state_layout,
+    state_layout,
+)
+from embshard_optim.sparse_rules import SparseUpdateRule, aggregate, rule_for
+from embshard_optim.specs import OptimizerSpec, OptimType, WeightDecayMode
+from embshard_optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+
+__all__ = [
+    "OptimType",
+    "WeightDecayMode",
+    "OptimizerSpec",
+    "MergedState",
+    "KeyedOptimizer",
+    "KeyedOptimizerWrapper",
+    "OptimizerWrapper",
+    "CombinedOptimizer",
+    "FusedOptimizer",
+    "EmptyFusedOptimizer",
+    "FusedOptimizerModule",
+    "FusedKernelLike",
+    "TableShardInfo",
+    "EmbeddingFusedOptimizer",
+    "StateFormat",
+    "check_tiling",
+    "pointwise_state_layout",
+    "rowwise_state_layout",
+    "state_layout",
+    "make_sharded_tensor",
+    "make_dtensor",
+    "make_mesh",
+    "WarmupPolicy",
+    "WarmupStage",
+    "WarmupOptimizer",
+    "GradientClipping",
+    "GradientClippingOptimizer",
+    "SparseUpdateRule",
+    "aggregate",
+    "rule_for",
+]

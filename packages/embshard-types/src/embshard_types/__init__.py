@@ -63,12 +63,14 @@ from embshard_types.vocab import (
     EmbeddingEvent,
     ObjectPoolShardingType,
     ParameterStorage,
+    ParsableEnum,
     PipelineType,
     PoolingType,
     ShardingType,
 )
 
 __all__ = [
+    "ParsableEnum",
     "ShardingType",
     "ComputeKernel",
     "EmbeddingEvent",

@@ -19,7 +19,7 @@ from enum import unique
 from typing import Any, Self
 
 from embshard_types.interfaces import CacheStatistics
-from embshard_types.vocab import DataType, _StrEnum
+from embshard_types.vocab import DataType, ParsableEnum
 
 __all__ = [
     "BoundsCheckMode",
@@ -31,7 +31,7 @@ __all__ = [
 
 
 @unique
-class CacheAlgorithm(_StrEnum):
+class CacheAlgorithm(ParsableEnum):
     """Eviction policy of a device cache of hot rows (FBGEMM's ``CacheAlgorithm``)."""
 
     LRU = "lru"
@@ -39,7 +39,7 @@ class CacheAlgorithm(_StrEnum):
 
 
 @unique
-class BoundsCheckMode(_StrEnum):
+class BoundsCheckMode(ParsableEnum):
     """What a kernel does with out-of-range ids (FBGEMM's ``BoundsCheckMode``, by name)."""
 
     FATAL = "fatal"
@@ -99,7 +99,7 @@ def _optional_bool(owner: object, name: str) -> None:
 
 
 def _to_plain(value: Any) -> Any:
-    if isinstance(value, _StrEnum):
+    if isinstance(value, ParsableEnum):
         return value.value
     if isinstance(value, tuple):
         return [_to_plain(v) for v in value]

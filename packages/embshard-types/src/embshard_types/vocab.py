@@ -11,7 +11,7 @@ from enum import Enum, unique
 from typing import Self
 
 
-class _StrEnum(Enum):
+class ParsableEnum(Enum):
     """An enum whose members can be parsed from their value with a helpful error."""
 
     @classmethod
@@ -41,7 +41,7 @@ class _StrEnum(Enum):
 
 
 @unique
-class ShardingType(_StrEnum):
+class ShardingType(ParsableEnum):
     """How one table is split across ranks."""
 
     DATA_PARALLEL = "data_parallel"
@@ -61,7 +61,7 @@ class ShardingType(_StrEnum):
 
 
 @unique
-class ComputeKernel(_StrEnum):
+class ComputeKernel(ParsableEnum):
     """Which kernel looks a table's rows up."""
 
     DEFAULT = "default"
@@ -80,7 +80,7 @@ class ComputeKernel(_StrEnum):
 
 
 @unique
-class EmbeddingEvent(_StrEnum):
+class EmbeddingEvent(ParsableEnum):
     """Stages of a sharded embedding forward, used to annotate traces."""
 
     KJT_SPLITS_DIST = "splits_dist"
@@ -91,7 +91,7 @@ class EmbeddingEvent(_StrEnum):
 
 
 @unique
-class PipelineType(_StrEnum):
+class PipelineType(ParsableEnum):
     """Training pipelines a sharded model can run under."""
 
     NONE = "none"
@@ -101,7 +101,7 @@ class PipelineType(_StrEnum):
 
 
 @unique
-class ParameterStorage(_StrEnum):
+class ParameterStorage(ParsableEnum):
     """Physical memory a planner can place parameters in."""
 
     HBM = "hbm"
@@ -111,7 +111,7 @@ class ParameterStorage(_StrEnum):
 
 
 @unique
-class CommOp(_StrEnum):
+class CommOp(ParsableEnum):
     """Collectives whose payload may be compressed by a quantized comm codec."""
 
     POOLED_EMBEDDINGS_ALL_TO_ALL = "pooled_embeddings_all_to_all"
@@ -120,7 +120,7 @@ class CommOp(_StrEnum):
 
 
 @unique
-class ObjectPoolShardingType(_StrEnum):
+class ObjectPoolShardingType(ParsableEnum):
     """How an object pool (a keyed store of tensors) is sharded."""
 
     ROW_WISE = "row_wise"
@@ -128,7 +128,7 @@ class ObjectPoolShardingType(_StrEnum):
 
 
 @unique
-class PoolingType(_StrEnum):
+class PoolingType(ParsableEnum):
     """How the rows of one bag are combined."""
 
     SUM = "sum"
@@ -138,7 +138,7 @@ class PoolingType(_StrEnum):
 
 
 @unique
-class DataType(_StrEnum):
+class DataType(ParsableEnum):
     """Storage type of a table's weights."""
 
     FP32 = "fp32"

@@ -1,0 +1,93 @@
+"""Plain-torch sparse update rules: FBGEMM's fused optimizers, restricted to the touched rows.
+
+FBGEMM's CPU kernels run only SGD, Adagrad and RowWiseAdagrad; these rules run every
+``OptimType`` in plain torch, following the formulas of FBGEMM's kernels (each module's docstring
+says which), so that CPU and CUDA training agree. They also serve as references for the FBGEMM
+paths. ``rule_for(spec)`` picks a rule; ``aggregate`` turns per-id gradients into the one summed
+gradient per distinct row that rules take.
+
+Guarantees: see :mod:`embshard_optim.sparse_rules.base`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from embshard_optim.sparse_rules.adagrad import adagrad_update, rowwise_adagrad_update
+from embshard_optim.sparse_rules.adam import adam_update, partial_rowwise_adam_update
+from embshard_optim.sparse_rules.base import SparseRule, SparseUpdateRule, UpdateFn, init_state
+from embshard_optim.sparse_rules.lamb import lamb_update, partial_rowwise_lamb_update
+from embshard_optim.sparse_rules.lars import lars_sgd_update
+from embshard_optim.sparse_rules.sgd import sgd_update
+from embshard_optim.specs import OptimizerSpec, OptimType
+
+_UPDATES: dict[OptimType, UpdateFn] = {
+    OptimType.SGD: sgd_update,
+    OptimType.ADAGRAD: adagrad_update,
+    OptimType.ROWWISE_ADAGRAD: rowwise_adagrad_update,
+    OptimType.ADAM: adam_update,
+    OptimType.PARTIAL_ROWWISE_ADAM: partial_rowwise_adam_update,
+    OptimType.LAMB: lamb_update,
+    OptimType.PARTIAL_ROWWISE_LAMB: partial_rowwise_lamb_update,
+    OptimType.LARS_SGD: lars_sgd_update,
+}
+
+
+def rule_for(spec: OptimizerSpec) -> SparseRule:
+    """The sparse update rule of ``spec``'s optimizer.
+
+    Args:
+        spec: the optimizer and hyperparameters.
+    """
+    if not isinstance(spec, OptimizerSpec):
+        raise TypeError(
+            f"rule_for takes an OptimizerSpec, got {type(spec).__name__}; build one with "
+            "OptimizerSpec.from_name(...) or OptimizerSpec.from_torch(...)"
+        )
+    return SparseRule(spec, _UPDATES[spec.optim_type])
+
+
+def aggregate(ids: Tensor, grad_rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum the gradients of repeated ids: one row id and one summed gradient per distinct id.
+
+    Args:
+        ids: ``[n]`` integer row ids, repeats allowed.
+        grad_rows: ``[n, dim]``, the gradient for each id.
+
+    Returns:
+        ``(rows, grads)``: sorted distinct int64 ids ``[m]`` and their summed gradients
+        ``[m, dim]`` (in ``grad_rows``' dtype).
+
+    Raises:
+        ValueError: ``ids`` is not 1-D integer, or the lengths disagree.
+    """
+    if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be a 1-D integer tensor, got {ids.dtype} {list(ids.shape)}")
+    if grad_rows.dim() != 2 or grad_rows.shape[0] != ids.shape[0]:
+        raise ValueError(
+            f"grad_rows must be [len(ids), dim] = [{ids.shape[0]}, dim], "
+            f"got {list(grad_rows.shape)}"
+        )
+    rows, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
+    summed = grad_rows.new_zeros((rows.shape[0], grad_rows.shape[1]))
+    summed.index_add_(0, inverse, grad_rows)
+    return rows, summed
+
+
+__all__ = [
+    "SparseRule",
+    "SparseUpdateRule",
+    "UpdateFn",
+    "adagrad_update",
+    "adam_update",
+    "aggregate",
+    "init_state",
+    "lamb_update",
+    "lars_sgd_update",
+    "partial_rowwise_adam_update",
+    "partial_rowwise_lamb_update",
+    "rowwise_adagrad_update",
+    "rule_for",
+    "sgd_update",
+]

@@ -1,0 +1,73 @@
+"""Adam and partial row-wise Adam on the touched rows of a table.
+
+Both follow FBGEMM's kernels (codegen ``adam()`` and ``partial_rowwise_adam()``), with ``t`` the
+1-based step and bias corrections ``bc1 = 1 - beta1**t``, ``bc2 = 1 - beta2**t``:
+
+- ``ADAM``: point-wise ``m1 = beta1 * m1 + (1 - beta1) * g`` and
+  ``m2 = beta2 * m2 + (1 - beta2) * g**2``; ``u = (m1 / bc1) / (sqrt(m2 / bc2) + eps)``.
+- ``PARTIAL_ROWWISE_ADAM``: ``m1`` as above (point-wise), ``m2`` row-wise:
+  ``m2 = beta2 * m2 + (1 - beta2) * mean(g**2)`` over the row; ``u = (m1 / bc1) /
+  (sqrt(m2 / bc2) + eps)``.
+- then ``w -= lr * (u + weight_decay * w)`` (decoupled decay, as AdamW).
+
+Only touched rows are updated (their moments do not decay in steps that skip them), and the bias
+correction uses the global step, as FBGEMM's ``iter`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+from embshard_optim.sparse_rules.base import (
+    add_to_rows,
+    bias_correction,
+    compute_dtype,
+    ema_rows,
+    gather,
+    write_rows,
+)
+from embshard_optim.specs import OptimizerSpec
+
+
+def adam_update(
+    spec: OptimizerSpec,
+    weight: Tensor,
+    state: Mapping[str, Tensor],
+    rows: Tensor,
+    grad: Tensor,
+    step: int,
+) -> None:
+    """FBGEMM ``ADAM`` on ``rows`` (unchecked; see ``SparseRule``)."""
+    g = grad.to(compute_dtype(weight))
+    m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
+    m2 = ema_rows(state["momentum2"], rows, spec.beta2, g * g)
+    denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
+    _apply_decoupled(spec, weight, rows, m1 / bias_correction(spec.beta1, step) / denominator)
+
+
+def partial_rowwise_adam_update(
+    spec: OptimizerSpec,
+    weight: Tensor,
+    state: Mapping[str, Tensor],
+    rows: Tensor,
+    grad: Tensor,
+    step: int,
+) -> None:
+    """FBGEMM ``PARTIAL_ROWWISE_ADAM`` on ``rows`` (unchecked; see ``SparseRule``)."""
+    g = grad.to(compute_dtype(weight))
+    m2 = ema_rows(state["momentum2"], rows, spec.beta2, (g * g).mean(dim=1))
+    denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
+    m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
+    update = m1 / bias_correction(spec.beta1, step) / denominator[:, None]
+    _apply_decoupled(spec, weight, rows, update)
+
+
+def _apply_decoupled(spec: OptimizerSpec, weight: Tensor, rows: Tensor, update: Tensor) -> None:
+    """``w[rows] -= lr * (update + weight_decay * w[rows])``."""
+    if spec.weight_decay > 0.0:
+        w = gather(weight, rows, update.dtype)
+        write_rows(weight, rows, w - spec.learning_rate * (update + spec.weight_decay * w))
+    else:
+        add_to_rows(weight, rows, -(spec.learning_rate * update))
