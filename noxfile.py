@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import nox
 
@@ -114,13 +115,21 @@ def gpu_tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """pytest-benchmark suites; results saved as JSON and compared with the previous run."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test", "--group", "bench")
+    storage = "benchmarks/results/pytest"
+    compare: list[str] = []
+    if any(Path(storage).rglob("*.json")):
+        # Fail on a median regression above 10% against the previous saved run.
+        compare = ["--benchmark-compare", "--benchmark-compare-fail=median:10%"]
     session.run(
         "pytest",
         "benchmarks",
         "-q",
+        "-p",
+        "no:cacheprovider",
         "--benchmark-only",
         "--benchmark-autosave",
-        "--benchmark-storage=benchmarks/results/pytest",
+        f"--benchmark-storage={storage}",
+        *compare,
         *session.posargs,
     )
 

@@ -1,3 +1,44 @@
-"""embshard-kernels."""
+"""embshard-kernels: embshard's wrappers over FBGEMM's table-batched embedding kernels.
 
-__all__: list[str] = []
+Fused (optimizer in backward), dense, quantized and key-value kernels in pooled and sequence
+forms, grouped table configs, per-table weight views, and the unsharded EmbeddingBagCollection /
+EmbeddingCollection built on them. The only embshard package that imports ``fbgemm_gpu``; a
+missing or mismatched FBGEMM raises an ``ImportError`` with the install command.
+"""
+
+from __future__ import annotations
+
+from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
+from embshard_kernels.dense import BatchedDenseEmbedding, BatchedDenseEmbeddingBag
+from embshard_kernels.fused import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
+from embshard_kernels.fused_params import FusedParams
+from embshard_kernels.grouped_kernels import GroupedKernels
+from embshard_kernels.grouping import GroupedEmbeddingConfig, ShardedTableConfig
+from embshard_kernels.key_value import (
+    KeyValueEmbedding,
+    KeyValueEmbeddingBag,
+    KeyValueFusedOptimizer,
+)
+from embshard_kernels.quant import QuantBatchedEmbedding, QuantBatchedEmbeddingBag, QuantTableWeight
+from embshard_kernels.slices import TableBatchedEmbeddingSlice, TableWeight
+
+__all__ = [
+    "FusedParams",
+    "ShardedTableConfig",
+    "GroupedEmbeddingConfig",
+    "TableBatchedEmbeddingSlice",
+    "TableWeight",
+    "BatchedFusedEmbeddingBag",
+    "BatchedFusedEmbedding",
+    "BatchedDenseEmbeddingBag",
+    "BatchedDenseEmbedding",
+    "QuantTableWeight",
+    "QuantBatchedEmbeddingBag",
+    "QuantBatchedEmbedding",
+    "KeyValueFusedOptimizer",
+    "KeyValueEmbeddingBag",
+    "KeyValueEmbedding",
+    "GroupedKernels",
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+]

@@ -1,0 +1,238 @@
+"""Quantized inference kernels: row-wise INT8 / INT4 / INT2 (and FP16 / FP32) tables.
+
+``QuantBatchedEmbeddingBag`` (pooled) and ``QuantBatchedEmbedding`` (sequence) wrap FBGEMM's
+``IntNBitTableBatchedEmbeddingBagsCodegen``. They are built from a trained float kernel with
+``from_float``, which quantizes each row with FBGEMM's own quantizer (per-row fp16 scale and
+bias, ``bits`` per element) and records, per table, the largest absolute difference between
+the dequantized and the float weights in ``quantization_error``.
+
+Guarantees: the per-element error of a row is at most half its quantization step,
+``(max - min) / (2**bits - 1) / 2``, plus fp16 rounding of scale and bias (tested); input is
+checked before every lookup; state dicts hold ``{table}.weight`` (the packed uint8 rows) and
+``{table}.weight_qscaleshift`` (fp16 scale and bias as 4 bytes per row) as live views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from embshard_kernels._fbgemm import EmbeddingLocation, IntNBitTableBatchedEmbeddingBagsCodegen
+from embshard_kernels.base import BaseBatchedEmbedding
+from embshard_kernels.fbgemm_mapping import (
+    check_kernel_available,
+    data_type_to_sparse_type,
+    pooling_type_to_pooling_mode,
+)
+from embshard_kernels.fused_params import FusedParams
+from embshard_kernels.grouping import GroupedEmbeddingConfig
+from embshard_kernels.inputs import check_features, to_tbe_input
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.vocab import ComputeKernel, DataType, PoolingType
+
+QUANT_TYPES = (DataType.INT8, DataType.INT4, DataType.INT2, DataType.FP16, DataType.FP32)
+
+
+class QuantTableWeight(nn.Module):
+    """One quantized table: packed rows in ``weight``, fp16 scale/bias in ``weight_qscaleshift``."""
+
+    weight: Tensor
+    weight_qscaleshift: Tensor | None
+
+    def __init__(self, weight: Tensor, qscaleshift: Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_qscaleshift", qscaleshift)
+
+
+class _QuantKernel(BaseBatchedEmbedding):
+    _SEQUENCE = False
+
+    def __init__(
+        self, config: GroupedEmbeddingConfig, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__(config, device)
+        for table in config.embedding_tables:
+            where = f"table {table.name!r}"
+            kernel = check_kernel_available(table.compute_kernel, device, table=table.name)
+            if kernel is not ComputeKernel.QUANT:
+                raise ValueError(f"{where}: compute kernel {kernel.value!r} is not 'quant'")
+            if table.data_type not in QUANT_TYPES:
+                raise ValueError(
+                    f"{where}: data type {table.data_type.value!r} cannot be served by the "
+                    f"quantized kernel; use one of {[d.value for d in QUANT_TYPES]}"
+                )
+            if table.data_type.is_quantized and (table.cols * table.data_type.bits) % 16:
+                raise ValueError(
+                    f"{where}: {table.cols} columns of {table.data_type.value} pack into an odd "
+                    f"number of bytes, which FBGEMM's quantizer refuses; use a width that is a "
+                    f"multiple of {16 // table.data_type.bits}"
+                )
+            if (table.pooling is PoolingType.NONE) != self._SEQUENCE:
+                raise ValueError(
+                    f"{where}: pooling {table.pooling.value!r} does not fit {type(self).__name__}"
+                )
+        params = config.fused_params or FusedParams()
+        module = IntNBitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[
+                (
+                    t.name,
+                    t.rows,
+                    t.cols,
+                    data_type_to_sparse_type(t.data_type),
+                    EmbeddingLocation.HOST
+                    if self.device.type != "cuda"
+                    else EmbeddingLocation.DEVICE,
+                )
+                for t in config.embedding_tables
+            ],
+            feature_table_map=config.feature_table_map(),
+            pooling_mode=pooling_type_to_pooling_mode(config.pooling),
+            device=self.device,
+            output_dtype=data_type_to_sparse_type(params.output_dtype),
+            indices_dtype=torch.int64,
+        )
+        module.initialize_weights()
+        self._set_emb_module(module)
+        for table, (weight, qscaleshift) in zip(
+            config.embedding_tables,
+            module.split_embedding_weights(split_scale_shifts=True),
+            strict=True,
+        ):
+            self.add_module(table.name, QuantTableWeight(weight, qscaleshift))
+        self.quantization_error: dict[str, float] = {}
+
+    def split_embedding_weights(self) -> list[Tensor]:
+        """Per table, its packed uint8 rows (live views)."""
+        return [self.table_weight(t.name).weight for t in self._config.embedding_tables]
+
+    def table_weight(self, name: str) -> QuantTableWeight:  # type: ignore[override]
+        module = self._modules.get(name)
+        if not isinstance(module, QuantTableWeight):
+            raise KeyError(f"no table {name!r}; the tables are {self._config.table_names()}")
+        return module
+
+    def init_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Quantized tables are not trained: fill them with ``load_float_weights``."""
+        raise TypeError(
+            f"{type(self).__name__} holds quantized inference tables; fill them from trained "
+            "float weights with load_float_weights() or build it with from_float()"
+        )
+
+    def load_float_weights(self, weights: Sequence[Tensor]) -> dict[str, float]:
+        """Quantize float ``[rows, cols]`` weights (one per table, config order) into the kernel.
+
+        Returns:
+            Per table, the largest absolute error of the dequantized weights (also kept in
+            ``quantization_error``).
+
+        Raises:
+            ValueError: the number or shape of the weights does not match the tables.
+        """
+        tables = self._config.embedding_tables
+        if len(weights) != len(tables):
+            raise ValueError(
+                f"got {len(weights)} weights for the {len(tables)} tables {self._config.table_names()}"
+            )
+        for table, weight in zip(tables, weights, strict=True):
+            if tuple(weight.shape) != (table.rows, table.cols):
+                raise ValueError(
+                    f"table {table.name!r}: float weight {list(weight.shape)} does not match "
+                    f"[{table.rows}, {table.cols}]"
+                )
+        errors = {}
+        with torch.no_grad():
+            for table, weight in zip(tables, weights, strict=True):
+                holder = self.table_weight(table.name)
+                _quantize_into(weight.detach().float(), table.data_type, holder)
+                restored = self._dequantize(table.name)
+                errors[table.name] = (
+                    float((restored - weight.float().to(restored.device)).abs().max())
+                    if weight.numel()
+                    else 0.0
+                )
+        self.quantization_error = errors
+        return dict(errors)
+
+    def _dequantize(self, name: str) -> Tensor:
+        table = next(t for t in self._config.embedding_tables if t.name == name)
+        holder = self.table_weight(name)
+        if not table.data_type.is_quantized:
+            return holder.weight.view(
+                torch.float16 if table.data_type is DataType.FP16 else torch.float32
+            ).float()
+        assert holder.weight_qscaleshift is not None  # quantized tables have one
+        fused = torch.cat([holder.weight, holder.weight_qscaleshift], dim=1)
+        restored: Tensor = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(
+            fused, table.data_type.bits
+        )
+        return restored[:, : table.cols]
+
+    def dequantized_weights(self) -> list[Tensor]:
+        """Per table, its weights as float32 (copies), for inspection and error reports."""
+        return [self._dequantize(t.name) for t in self._config.embedding_tables]
+
+    def forward(self, features: KeyedJaggedTensor) -> Tensor:
+        """Pooled ``[batch, sum of dims]`` or sequence ``[ids, dim]`` lookups."""
+        check_features(features, self._layout)
+        args = to_tbe_input(features, weighted=self._config.is_weighted)
+        out: Tensor = self._emb_module(args.indices, args.offsets, args.per_sample_weights)
+        return out
+
+    @classmethod
+    def from_float(
+        cls, module: BaseBatchedEmbedding, data_type: DataType | str = DataType.INT8
+    ) -> _QuantKernel:
+        """Quantize a trained float kernel (fused or dense) of the same tables.
+
+        Args:
+            module: the float kernel; its config gives the tables.
+            data_type: ``int8``, ``int4``, ``int2``, ``fp16`` or ``fp32``.
+        """
+        dt = DataType.parse(data_type, what="quantized data type")
+        config = module.config
+        tables = tuple(
+            replace(t, data_type=dt, compute_kernel=ComputeKernel.QUANT)
+            for t in config.embedding_tables
+        )
+        quant_config = replace(
+            config, data_type=dt, compute_kernel=ComputeKernel.QUANT, embedding_tables=tables
+        )
+        quant = cls(quant_config, module.device)
+        quant.load_float_weights(module.split_embedding_weights())
+        return quant
+
+
+def _quantize_into(weight: Tensor, data_type: DataType, holder: QuantTableWeight) -> None:
+    target = holder.weight
+    if not data_type.is_quantized:
+        dtype = torch.float16 if data_type is DataType.FP16 else torch.float32
+        target.copy_(weight.to(dtype).view(torch.uint8).view(target.shape))
+        return
+    packed = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(weight, data_type.bits)
+    target.copy_(packed[:, : target.shape[1]])
+    assert holder.weight_qscaleshift is not None
+    holder.weight_qscaleshift.copy_(packed[:, -4:])
+
+
+class QuantBatchedEmbeddingBag(_QuantKernel):
+    """Pooled (SUM / MEAN) quantized inference tables.
+
+    Args:
+        config: the group of tables (compute kernel ``quant``, a quantized or float data type).
+        device: where the kernel runs (``None``: the CPU).
+    """
+
+    _SEQUENCE = False
+
+
+class QuantBatchedEmbedding(_QuantKernel):
+    """Sequence (one row per id) quantized inference tables.
+
+    Args: as :class:`QuantBatchedEmbeddingBag`, for tables with pooling NONE.
+    """
+
+    _SEQUENCE = True

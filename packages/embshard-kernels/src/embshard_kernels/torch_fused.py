@@ -1,0 +1,228 @@
+"""A fused TBE in plain torch: the optimizer runs inside the backward, as in FBGEMM.
+
+For optimizers FBGEMM's TBE cannot run faithfully on a device (on the CPU: Adam, partial
+row-wise Adam, LAMB, partial row-wise LAMB, LARS-SGD, and weight decay or max-norm of
+RowWiseAdagrad), ``TorchFusedTBE`` serves the same :class:`~embshard_kernels.tbe.FusedTBE`
+protocol: weights live in one flat buffer (so per-table slices work alike), the forward uses
+``torch.nn.functional.embedding_bag`` / ``embedding``, and a custom autograd function's backward
+sums each touched row's gradient and applies embshard-optim's sparse update rule to those rows.
+
+Guarantees: the weights and optimizer state change only in the backward, only on touched rows,
+by exactly the rule's formula on the per-row summed gradient (the same math FBGEMM's exact
+optimizers apply); gradients w.r.t. per-sample weights are computed with the weights as they
+were before the update; output layout matches FBGEMM's (see :mod:`embshard_kernels.lookup`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from embshard_kernels.fbgemm_mapping import data_type_to_dtype
+from embshard_kernels.fused_params import FusedParams
+from embshard_kernels.grouping import GroupedEmbeddingConfig
+from embshard_kernels.lookup import CallLayout, pooled_lookup, sequence_lookup, split_pooled
+from embshard_optim.sparse_rules import aggregate, rule_for
+from embshard_types.vocab import PoolingType
+
+
+class TorchFusedTBE(nn.Module):
+    """Plain-torch fused TBE (see the module docstring).
+
+    Args:
+        config: the tables.
+        params: the optimizer (any ``OptimType``) and the output dtype.
+        device: where the weights and state live.
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        params: FusedParams,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        dtype = data_type_to_dtype(config.data_type)
+        shapes = [(t.rows, t.cols) for t in config.embedding_tables]
+        starts = [0]
+        for rows, cols in shapes:
+            starts.append(starts[-1] + rows * cols)
+        self.weights = nn.Parameter(torch.zeros(starts[-1], dtype=dtype, device=device))
+        self._starts = starts[:-1]
+        self._shapes = shapes
+        self.feature_table_map = config.feature_table_map()
+        self.feature_dims = config.embedding_dims()
+        self.pooling = config.pooling
+        self.output_dtype = data_type_to_dtype(params.output_dtype)
+        self.rule = rule_for(params.optimizer)
+        self.states = [
+            self.rule.init_state(rows, cols, dtype=torch.float32, device=device)
+            for rows, cols in shapes
+        ]
+        self.step = 0
+
+    def tables(self) -> list[Tensor]:
+        """Per table, a ``[rows, dim]`` view of the weight buffer (no autograd history)."""
+        flat = self.weights.detach()
+        return [
+            flat[s : s + r * c].view(r, c)
+            for s, (r, c) in zip(self._starts, self._shapes, strict=True)
+        ]
+
+    def forward(
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None = None,
+        batch_size_per_feature_per_rank: list[list[int]] | None = None,
+    ) -> Tensor:
+        layout = CallLayout.of(
+            offsets, len(self.feature_table_map), batch_size_per_feature_per_rank
+        )
+        out: Tensor = _FusedLookup.apply(
+            self.weights, indices, offsets, per_sample_weights, self, layout
+        )
+        return out
+
+    # -- FusedTBE protocol ----------------------------------------------------------------
+
+    def split_embedding_weights(self) -> list[Tensor]:
+        return self.tables()
+
+    def get_optimizer_state(self) -> list[dict[str, Tensor]]:
+        return [dict(state) for state in self.states]
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.rule = rule_for(replace(self.rule.spec, learning_rate=float(lr)))
+
+    def get_learning_rate(self) -> float:
+        return self.rule.spec.learning_rate
+
+    def flush(self) -> None:
+        """Nothing is cached: a no-op."""
+
+    def reset_cache_states(self) -> None:
+        """Nothing is cached: a no-op."""
+
+    def weight_buffer(self) -> tuple[Tensor, list[int]]:
+        return self.weights, list(self._starts)
+
+    def set_optimizer_step(self, step: int) -> None:
+        """The next backward uses step ``step + 1``."""
+        self.step = int(step)
+
+    # -- the two halves of a step ---------------------------------------------------------
+
+    def lookup(
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        layout: CallLayout,
+    ) -> Tensor:
+        tables = self.tables()
+        if self.pooling is PoolingType.NONE:
+            out = sequence_lookup(tables, self.feature_table_map, indices, offsets, layout)
+        else:
+            out = pooled_lookup(
+                tables,
+                self.feature_table_map,
+                indices,
+                offsets,
+                per_sample_weights,
+                self.pooling,
+                layout=layout,
+            )
+        return out.to(self.output_dtype)
+
+    def backward_and_update(
+        self,
+        grad_output: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        layout: CallLayout,
+        need_weight_grad: bool,
+    ) -> Tensor | None:
+        """Apply the optimizer to every touched row; return d(loss)/d(per_sample_weights)."""
+        per_id = self._per_id_grads(grad_output.float(), offsets, per_sample_weights, layout)
+        tables = self.tables()
+        weight_grad = None
+        if per_sample_weights is not None:
+            if need_weight_grad:  # with the weights as they are before this update
+                weight_grad = torch.cat(
+                    [
+                        (g * tables[t].index_select(0, layout.ids(indices, f)).float()).sum(1)
+                        for f, (t, g) in enumerate(zip(self.feature_table_map, per_id, strict=True))
+                    ]
+                ).to(per_sample_weights.dtype)
+            per_id = [
+                g * layout.ids(per_sample_weights, f).unsqueeze(1).float()
+                for f, g in enumerate(per_id)
+            ]
+        self.step += 1
+        for t, table in enumerate(tables):
+            features = [f for f, ft in enumerate(self.feature_table_map) if ft == t]
+            ids = torch.cat([layout.ids(indices, f) for f in features])
+            if ids.numel() == 0:
+                continue
+            rows, grads = aggregate(ids, torch.cat([per_id[f] for f in features]))
+            self.rule.apply(table, self.states[t], rows, grads, self.step, check_bounds=False)
+        return weight_grad
+
+    def _per_id_grads(
+        self,
+        grad_output: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        layout: CallLayout,
+    ) -> list[Tensor]:
+        """Per feature, the gradient reaching each of its ids (before per-sample weights)."""
+        if self.pooling is PoolingType.NONE:
+            return [layout.ids(grad_output, f) for f in range(len(self.feature_table_map))]
+        blocks = split_pooled(grad_output, self.feature_dims, layout.batch_per_rank)
+        out = []
+        for f, block in enumerate(blocks):
+            lengths = layout.bag_offsets(offsets, f).diff()
+            if self.pooling is PoolingType.MEAN:
+                block = block / lengths.clamp(min=1).unsqueeze(1).to(block.dtype)
+            bag_of_id = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=lengths.device), lengths
+            )
+            out.append(block.index_select(0, bag_of_id))
+        return out
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Forward: the lookup. Backward: the optimizer step on the touched rows."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        weights: Tensor,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        module: TorchFusedTBE,
+        layout: CallLayout,
+    ) -> Tensor:
+        ctx.module = module
+        ctx.layout = layout
+        ctx.save_for_backward(indices, offsets, per_sample_weights)
+        return module.lookup(indices, offsets, per_sample_weights, layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        indices, offsets, per_sample_weights = ctx.saved_tensors
+        weight_grad = ctx.module.backward_and_update(
+            grad_output,
+            indices,
+            offsets,
+            per_sample_weights,
+            ctx.layout,
+            need_weight_grad=ctx.needs_input_grad[3],
+        )
+        return None, None, None, weight_grad, None, None
