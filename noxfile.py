@@ -92,7 +92,9 @@ def dist_tests(session: nox.Session) -> None:
 def gpu_tests(session: nox.Session) -> None:
     """The distributed suite on CUDA / NCCL across the visible GPUs."""
     if shutil.which("nvidia-smi") is None and not os.path.exists("/proc/driver/nvidia/version"):
-        session.skip("no NVIDIA driver on this machine: gpu_tests need CUDA GPUs (skipped, not failed)")
+        session.skip(
+            "no NVIDIA driver on this machine: gpu_tests need CUDA GPUs (skipped, not failed)"
+        )
     _sync(session, "--all-packages", "--extra", "cuda", "--group", "test")
     gpus = session.run(
         "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True
