@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ class DLRMConfig:
 
 def _mlp(sizes: Sequence[int], *, last_relu: bool, device: torch.device | None) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (a, b) in enumerate(pairwise(sizes)):
         layers.append(nn.Linear(a, b, device=device))
         if last_relu or i < len(sizes) - 2:
             layers.append(nn.ReLU())
