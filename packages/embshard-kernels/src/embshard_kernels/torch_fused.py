@@ -11,10 +11,18 @@ Guarantees: the weights and optimizer state change only in the backward, only on
 by exactly the rule's formula on the per-row summed gradient (the same math FBGEMM's exact
 optimizers apply); gradients w.r.t. per-sample weights are computed with the weights as they
 were before the update; output layout matches FBGEMM's (see :mod:`embshard_kernels.lookup`).
+
+Two hooks let a sharded collection change what the update sees (both ``None`` by default):
+``grad_exchange(table, rows, grads) -> (rows, grads)`` is called for every table in every
+backward, even one whose batch touched no row (so that replicas can exchange their rows in a
+collective), and its result is what the rule applies; ``row_reductions[table]`` is the
+:class:`~embshard_optim.sparse_rules.base.RowReduction` of a table whose columns are split across
+shards (row-wise statistics over the full rows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +34,11 @@ from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, pooled_lookup, sequence_lookup, split_pooled
 from embshard_optim.sparse_rules import aggregate, rule_for
+from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.vocab import PoolingType
+
+GradExchange = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""``(table index, rows, summed grads) -> (rows, grads)`` to apply (see the module docstring)."""
 
 
 class TorchFusedTBE(nn.Module):
@@ -63,6 +75,8 @@ class TorchFusedTBE(nn.Module):
             for rows, cols in shapes
         ]
         self.step = 0
+        self.grad_exchange: GradExchange | None = None
+        self.row_reductions: list[RowReduction | None] | None = None
 
     def tables(self) -> list[Tensor]:
         """Per table, a ``[rows, dim]`` view of the weight buffer (no autograd history)."""
@@ -167,10 +181,21 @@ class TorchFusedTBE(nn.Module):
         for t, table in enumerate(tables):
             features = [f for f, ft in enumerate(self.feature_table_map) if ft == t]
             ids = torch.cat([layout.ids(indices, f) for f in features])
-            if ids.numel() == 0:
+            if ids.numel() == 0 and self.grad_exchange is None:
                 continue
             rows, grads = aggregate(ids, torch.cat([per_id[f] for f in features]))
-            self.rule.apply(table, self.states[t], rows, grads, self.step, check_bounds=False)
+            if self.grad_exchange is not None:
+                rows, grads = self.grad_exchange(t, rows, grads)
+            reduction = self.row_reductions[t] if self.row_reductions is not None else None
+            self.rule.apply(
+                table,
+                self.states[t],
+                rows,
+                grads,
+                self.step,
+                check_bounds=False,
+                reduction=reduction,
+            )
         return weight_grad
 
     def _per_id_grads(

@@ -14,6 +14,9 @@ from collections.abc import Sequence
 # sub-command -> (module under embshard_dist.cli, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("info", "print versions, devices and FBGEMM availability"),
+    "train": ("train", "train a small DLRM on synthetic clicks across local processes"),
+    "plan": ("plan", "plan the sharding of a table spec and print the plan's stats table"),
+    "calibrate": ("calibrate", "measure this machine and write the planner's topology file"),
 }
 
 

@@ -21,10 +21,12 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from embshard_optim.sparse_rules.base import (
+    RowReduction,
     add_to_rows,
     compute_dtype,
     gather,
-    row_norm,
+    row_mean_square,
+    row_norms,
     write_rows,
 )
 from embshard_optim.specs import OptimizerSpec, WeightDecayMode
@@ -37,8 +39,11 @@ def adagrad_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
-    """FBGEMM ``EXACT_ADAGRAD`` on ``rows`` (unchecked; see ``SparseRule``)."""
+    """FBGEMM ``EXACT_ADAGRAD`` on ``rows`` (unchecked; see ``SparseRule``; point-wise, so
+    ``reduction`` is not needed)."""
     dtype = compute_dtype(weight)
     g = grad.to(dtype)
     momentum = state["momentum1"]
@@ -54,6 +59,8 @@ def rowwise_adagrad_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
     """FBGEMM ``EXACT_ROWWISE_ADAGRAD`` on ``rows`` (unchecked; see ``SparseRule``)."""
     dtype = compute_dtype(weight)
@@ -65,7 +72,7 @@ def rowwise_adagrad_update(
 
     g_decayed = g + decay * w if w is not None and mode is WeightDecayMode.L2 else g
     momentum = state["momentum1"]
-    add_to_rows(momentum, rows, (g_decayed * g_decayed).mean(dim=1).to(momentum.dtype))
+    add_to_rows(momentum, rows, row_mean_square(g_decayed, reduction).to(momentum.dtype))
     multiplier = lr / (gather(momentum, rows, dtype).sqrt_() + spec.eps)
 
     if w is None:
@@ -79,6 +86,6 @@ def rowwise_adagrad_update(
         new = w - multiplier[:, None] * g
     if spec.max_norm > 0.0:
         # max_norm / norm is inf for a zero row and clamps to 1 (left as is).
-        scale = (spec.max_norm / row_norm(new)).clamp_(max=1.0)
+        scale = (spec.max_norm / row_norms(new, reduction=reduction)[0]).clamp_(max=1.0)
         new = new * scale[:, None]
     write_rows(weight, rows, new)

@@ -21,11 +21,13 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from embshard_optim.sparse_rules.base import (
+    RowReduction,
     add_to_rows,
     bias_correction,
     compute_dtype,
     ema_rows,
     gather,
+    row_mean_square,
     write_rows,
 )
 from embshard_optim.specs import OptimizerSpec
@@ -38,8 +40,11 @@ def adam_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
-    """FBGEMM ``ADAM`` on ``rows`` (unchecked; see ``SparseRule``)."""
+    """FBGEMM ``ADAM`` on ``rows`` (unchecked; see ``SparseRule``; point-wise, so
+    ``reduction`` is not needed)."""
     g = grad.to(compute_dtype(weight))
     m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
     m2 = ema_rows(state["momentum2"], rows, spec.beta2, g * g)
@@ -54,10 +59,12 @@ def partial_rowwise_adam_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
     """FBGEMM ``PARTIAL_ROWWISE_ADAM`` on ``rows`` (unchecked; see ``SparseRule``)."""
     g = grad.to(compute_dtype(weight))
-    m2 = ema_rows(state["momentum2"], rows, spec.beta2, (g * g).mean(dim=1))
+    m2 = ema_rows(state["momentum2"], rows, spec.beta2, row_mean_square(g, reduction))
     denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
     m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
     update = m1 / bias_correction(spec.beta1, step) / denominator[:, None]

@@ -7,13 +7,18 @@ tensor is written, untouched rows and their state are left bit-for-bit as they w
 arithmetic runs in float32 (float64 for float64 tables) with rows read by ``index_select`` and
 written by ``index_copy_`` / ``index_add_`` (never advanced-index assignment, never a Python loop
 over rows).
+
+Tables split by columns (each rank holding some columns of every row) get the row-wise
+statistics of the full row through a :class:`RowReduction`: a rule computes per-row partial
+sums over its own columns and the reduction combines them across the column shards, so every
+shard applies the unsharded row-wise update to its columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -50,6 +55,7 @@ class SparseUpdateRule(Protocol):
         step: int,
         *,
         check_bounds: bool = True,
+        reduction: RowReduction | None = None,
     ) -> None:
         """Update ``rows`` of ``weight`` and ``state`` in place.
 
@@ -60,12 +66,41 @@ class SparseUpdateRule(Protocol):
             grad: ``[len(rows), dim]``, the summed gradient of each row.
             step: 1-based number of this update (Adam / LAMB bias correction).
             check_bounds: check that every row id is in range (one pass over ``rows``).
+            reduction: completes row-wise statistics of a column shard (see ``RowReduction``).
         """
         ...
 
 
 UpdateFn = Callable[[OptimizerSpec, Tensor, Mapping[str, Tensor], Tensor, Tensor, int], None]
-"""``update(spec, weight, state, rows, grad, step)``: the unchecked math of one optimizer."""
+"""``update(spec, weight, state, rows, grad, step)``: the unchecked math of one optimizer.
+
+The built-in update functions also take a keyword ``reduction: RowReduction | None``.
+"""
+
+
+@dataclass(frozen=True)
+class RowReduction:
+    """How to complete row-wise statistics when a table's columns are split across shards.
+
+    Args:
+        row_sum: takes per-row partial sums over this shard's columns (``[rows]`` or
+            ``[rows, k]`` for ``k`` statistics at once, in the order of the ``rows`` given to
+            the update) and returns the sums over the full rows; every column shard of the
+            table must call it for the same rows and get the same result (e.g. a gather of
+            the shards' partial sums, added in a fixed order).
+        full_dim: the width of the full rows (the divisor of row means).
+    """
+
+    row_sum: Callable[[Tensor], Tensor]
+    full_dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.full_dim, bool) or not isinstance(self.full_dim, int):
+            raise TypeError(f"RowReduction.full_dim must be an int, got {self.full_dim!r}")
+        if self.full_dim < 1:
+            raise ValueError(f"RowReduction.full_dim must be positive, got {self.full_dim}")
+        if not callable(self.row_sum):
+            raise TypeError(f"RowReduction.row_sum must be callable, got {self.row_sum!r}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +136,7 @@ class SparseRule:
         step: int,
         *,
         check_bounds: bool = True,
+        reduction: RowReduction | None = None,
     ) -> None:
         """Check the arguments, then update ``rows`` of ``weight`` and ``state`` in place.
 
@@ -111,14 +147,26 @@ class SparseRule:
             grad: ``[len(rows), dim]``, the summed gradient of each row.
             step: 1-based number of this update (Adam / LAMB bias correction).
             check_bounds: check that every row id is in range (one pass over ``rows``).
+            reduction: for a shard holding some columns of a table, how to complete row-wise
+                statistics over the full rows (``None``: ``weight`` holds full rows). Not
+                called when ``rows`` is empty.
 
         Raises:
             ValueError / TypeError / IndexError: bad arguments, before anything is written.
         """
         rows = check_update(self.spec, weight, state, rows, grad, step, check_bounds=check_bounds)
+        if reduction is not None and reduction.full_dim < weight.shape[1]:
+            raise ValueError(
+                f"{self.spec.optim_type.name} sparse update: reduction.full_dim "
+                f"{reduction.full_dim} is narrower than the shard's {weight.shape[1]} columns"
+            )
         if rows.numel() > 0:
             with torch.no_grad():  # weights may be Parameters; the update is not differentiated
-                self.update(self.spec, weight, state, rows, grad, step)
+                if reduction is None:
+                    self.update(self.spec, weight, state, rows, grad, step)
+                else:
+                    update: Any = self.update
+                    update(self.spec, weight, state, rows, grad, step, reduction=reduction)
 
 
 def init_state(
@@ -259,6 +307,22 @@ def bias_correction(beta: float, step: int) -> float:
 def row_norm(values: Tensor) -> Tensor:
     """The L2 norm of each row of a 2-D tensor."""
     return torch.linalg.vector_norm(values, dim=1)
+
+
+def row_mean_square(values: Tensor, reduction: RowReduction | None = None) -> Tensor:
+    """``mean(values**2)`` of each row; over the full rows when ``reduction`` is given."""
+    if reduction is None:
+        return (values * values).mean(dim=1)
+    return reduction.row_sum((values * values).sum(dim=1)) / reduction.full_dim
+
+
+def row_norms(*values: Tensor, reduction: RowReduction | None = None) -> tuple[Tensor, ...]:
+    """The L2 norm of each row of each of ``values`` (full rows with ``reduction``, summed in
+    one call of ``reduction.row_sum``)."""
+    if reduction is None:
+        return tuple(row_norm(v) for v in values)
+    partial = torch.stack([(v * v).sum(dim=1) for v in values], dim=1)
+    return tuple(reduction.row_sum(partial).sqrt().unbind(dim=1))
 
 
 def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:

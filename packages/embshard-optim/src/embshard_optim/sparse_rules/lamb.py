@@ -20,11 +20,13 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from embshard_optim.sparse_rules.base import (
+    RowReduction,
     bias_correction,
     compute_dtype,
     ema_rows,
     gather,
-    row_norm,
+    row_mean_square,
+    row_norms,
     safe_ratio,
     write_rows,
 )
@@ -38,13 +40,16 @@ def lamb_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
     """FBGEMM ``LAMB`` on ``rows`` (unchecked; see ``SparseRule``)."""
     g = grad.to(compute_dtype(weight))
     m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
     m2 = ema_rows(state["momentum2"], rows, spec.beta2, g * g)
     denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
-    _apply_trust_ratio(spec, weight, rows, m1 / bias_correction(spec.beta1, step) / denominator)
+    update = m1 / bias_correction(spec.beta1, step) / denominator
+    _apply_trust_ratio(spec, weight, rows, update, reduction)
 
 
 def partial_rowwise_lamb_update(
@@ -54,19 +59,28 @@ def partial_rowwise_lamb_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
     """FBGEMM ``PARTIAL_ROWWISE_LAMB`` on ``rows`` (unchecked; see ``SparseRule``)."""
     g = grad.to(compute_dtype(weight))
-    m2 = ema_rows(state["momentum2"], rows, spec.beta2, (g * g).mean(dim=1))
+    m2 = ema_rows(state["momentum2"], rows, spec.beta2, row_mean_square(g, reduction))
     denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
     m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
     update = m1 / bias_correction(spec.beta1, step) / denominator[:, None]
-    _apply_trust_ratio(spec, weight, rows, update)
+    _apply_trust_ratio(spec, weight, rows, update, reduction)
 
 
-def _apply_trust_ratio(spec: OptimizerSpec, weight: Tensor, rows: Tensor, update: Tensor) -> None:
+def _apply_trust_ratio(
+    spec: OptimizerSpec,
+    weight: Tensor,
+    rows: Tensor,
+    update: Tensor,
+    reduction: RowReduction | None,
+) -> None:
     """``r = update + wd * w``; ``w -= lr * (||w|| / ||r||) * r`` row by row."""
     w = gather(weight, rows, update.dtype)
     r = update + spec.weight_decay * w if spec.weight_decay > 0.0 else update
-    ratio = safe_ratio(row_norm(w), row_norm(r))
+    w_norm, r_norm = row_norms(w, r, reduction=reduction)
+    ratio = safe_ratio(w_norm, r_norm)
     write_rows(weight, rows, w - (spec.learning_rate * ratio)[:, None] * r)

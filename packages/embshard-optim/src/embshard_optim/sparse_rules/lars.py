@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from embshard_optim.sparse_rules.base import (
+    RowReduction,
     compute_dtype,
     gather,
-    row_norm,
+    row_norms,
     safe_ratio,
     write_rows,
 )
@@ -29,14 +30,16 @@ def lars_sgd_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
     """FBGEMM ``LARS_SGD`` on ``rows`` (unchecked; see ``SparseRule``)."""
     dtype = compute_dtype(weight)
     g = grad.to(dtype)
     w = gather(weight, rows, dtype)
-    w_norm = row_norm(w)
+    w_norm, g_norm = row_norms(w, g, reduction=reduction)
     decay = spec.weight_decay
-    adjusted_lr = safe_ratio(spec.learning_rate * spec.eta * w_norm, row_norm(g) + decay * w_norm)
+    adjusted_lr = safe_ratio(spec.learning_rate * spec.eta * w_norm, g_norm + decay * w_norm)
     momentum = state["momentum1"]
     decayed_grad = g + decay * w if decay > 0.0 else g
     m1 = gather(momentum, rows, dtype).mul_(spec.momentum).add_(adjusted_lr[:, None] * decayed_grad)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from embshard_optim.sparse_rules.base import add_to_rows, compute_dtype
+from embshard_optim.sparse_rules.base import RowReduction, add_to_rows, compute_dtype
 from embshard_optim.specs import OptimizerSpec
 
 
@@ -21,6 +21,8 @@ def sgd_update(
     rows: Tensor,
     grad: Tensor,
     step: int,
+    *,
+    reduction: RowReduction | None = None,
 ) -> None:
     """FBGEMM ``EXACT_SGD`` on ``rows``: ``w[r] -= lr * g[r]`` (unchecked; see ``SparseRule``)."""
     g = grad.to(compute_dtype(weight))

@@ -1,0 +1,300 @@
+"""``embshard train``: train a small DLRM on synthetic clicks across local processes.
+
+The main job. It starts ``--nproc`` processes on this host (gloo on the CPU, NCCL when there is
+a GPU per process), or runs as one rank of a torchrun job when ``RANK`` / ``WORLD_SIZE`` are
+set. Every rank builds the same DLRM (seeded), the ranks agree on a plan (the default planner,
+steered by ``--sharding``), ``DistributedModelParallel`` shards it, and each step trains on the
+rank's share of a deterministic global batch (``SyntheticClicks``).
+
+Rank 0 prints the plan as a table, a progress line every ``--log-every`` steps (plain text, so
+it works without a terminal: steps/s and the loss averaged over the ranks and the last steps),
+and a summary: throughput (samples/s over every rank, after the first step), peak resident
+memory per rank (``getrusage``), and the loss of the final steps against the first ones.
+``--json PATH`` also writes the summary as JSON. Exit status: 0 on success, 2 for bad options
+(or a plan that does not fit), else the failing rank's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+_OPTIMIZERS = (
+    "rowwise_adagrad",
+    "adagrad",
+    "sgd",
+    "adam",
+    "adamw",
+    "partial_rowwise_adam",
+    "lamb",
+    "partial_rowwise_lamb",
+    "lars_sgd",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The options of one training run (picklable: sent to every rank)."""
+
+    nproc: int = 2
+    tables: int = 4
+    rows: int = 10_000
+    dim: int = 16
+    batch_size: int = 256
+    steps: int = 100
+    sharding: str | dict[str, str] | None = None
+    optimizer: str = "rowwise_adagrad"
+    lr: float = 0.05
+    seed: int = 0
+    log_every: int = 0
+    device: str = "auto"
+    json_path: str | None = None
+
+    @property
+    def table_names(self) -> list[str]:
+        """``t0``, ``t1``... (one feature each: ``f0``, ``f1``...)."""
+        return [f"t{i}" for i in range(self.tables)]
+
+    @property
+    def window(self) -> int:
+        """Steps per progress line and per loss window."""
+        return self.log_every or max(1, self.steps // 10)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``embshard train``."""
+    p = argparse.ArgumentParser(
+        prog="embshard train",
+        description="Train a small DLRM on synthetic clicks, sharded across local processes.",
+    )
+    p.add_argument("--nproc", type=_positive, default=2, help="processes to start (default 2)")
+    p.add_argument("--tables", type=_positive, default=4, help="embedding tables (default 4)")
+    p.add_argument("--rows", type=_positive, default=10_000, help="rows per table")
+    p.add_argument("--dim", type=_positive, default=16, help="embedding dimension (default 16)")
+    p.add_argument("--batch-size", type=_positive, default=256, help="samples per rank per step")
+    p.add_argument("--steps", type=_positive, default=100, help="training steps (default 100)")
+    p.add_argument(
+        "--sharding",
+        default=None,
+        help="one type for all tables (table_wise, row_wise, column_wise, data_parallel, ...), "
+        "per table 't0=row_wise,t1=table_wise', or auto (default: table_wise)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="rowwise_adagrad",
+        help=f"embedding optimizer: {', '.join(_OPTIMIZERS)} (default rowwise_adagrad); the "
+        "dense layers use the torch optimizer of the same kind",
+    )
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and data (default 0)")
+    p.add_argument("--log-every", type=_positive, default=None, help="steps per progress line")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--json", dest="json_path", default=None, help="write the summary here")
+    return p
+
+
+def parse_config(argv: Sequence[str]) -> TrainConfig:
+    """Parse and check the options (exits with status 2 and a message on bad ones)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from embshard_dist.planner.requests import parse_sharding_request, parse_sharding_type
+    from embshard_optim.specs import OptimizerSpec
+
+    try:
+        sharding = None if args.sharding is None else parse_sharding_request(args.sharding)
+        kinds = (
+            []
+            if sharding is None
+            else (list(sharding.values()) if isinstance(sharding, dict) else [sharding])
+        )
+        for kind in kinds:
+            parse_sharding_type(kind, what="--sharding")
+        if isinstance(sharding, dict):
+            names = [f"t{i}" for i in range(args.tables)]
+            unknown = sorted(set(sharding) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"--sharding names tables {unknown}, but the model has {names} "
+                    f"(--tables {args.tables})"
+                )
+        OptimizerSpec.from_name(args.optimizer, lr=args.lr)
+    except ValueError as e:
+        parser.error(str(e))
+    return TrainConfig(
+        nproc=args.nproc,
+        tables=args.tables,
+        rows=args.rows,
+        dim=args.dim,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        sharding=sharding,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        seed=args.seed,
+        log_every=args.log_every or 0,
+        device=args.device,
+        json_path=args.json_path,
+    )
+
+
+def run(argv: Sequence[str]) -> int:
+    """Entry point of ``embshard train``."""
+    config = parse_config(argv)
+    from embshard_dist.launch import default_backend, launch, launched_by_torchrun
+
+    if config.device == "cuda":
+        backend = "nccl"
+    elif config.device == "cpu":
+        backend = "gloo"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", config.nproc))
+        backend = default_backend(local if launched_by_torchrun() else config.nproc)
+    return launch(train_rank, (config,), nproc=config.nproc, backend=backend)
+
+
+# -- one rank ---------------------------------------------------------------------------------
+
+
+def _say(rank: int, text: str, *, end: str = "\n") -> None:
+    if rank == 0:
+        print(text, end=end, flush=True)
+
+
+def train_rank(config: TrainConfig) -> int:
+    """Build, shard and train the model on this rank; returns the exit code."""
+    import torch
+    import torch.distributed as dist
+
+    from embshard_dist.comm.collectives import all_gather_ints, all_reduce
+    from embshard_dist.data.synthetic import SyntheticClicks
+    from embshard_dist.model_parallel import DistributedModelParallel
+    from embshard_dist.models.dlrm import DLRM
+    from embshard_dist.planner.simple import SimplePlanner
+    from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+    from embshard_optim.specs import OptimizerSpec
+    from embshard_types.configs import EmbeddingBagConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    on_gpu = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    tables = [
+        EmbeddingBagConfig(
+            name=name,
+            num_embeddings=config.rows,
+            embedding_dim=config.dim,
+            feature_names=(f"f{i}",),
+        )
+        for i, name in enumerate(config.table_names)
+    ]
+    spec = OptimizerSpec.from_name(config.optimizer, lr=config.lr)
+    torch.manual_seed(config.seed)
+    model = DLRM(tables)
+    sharders: list[Any] = [EmbeddingBagCollectionSharder(optimizer=spec)]
+    planner = SimplePlanner(
+        world, device_type=device.type, sharding=config.sharding, optimizer=spec
+    )
+    try:
+        plan = planner.collective_plan(model, sharders)
+        dmp = DistributedModelParallel(
+            model, device=device, plan=plan, sharders=sharders, optimizer=spec
+        )
+    except ValueError as e:
+        _say(rank, f"embshard train: error: {e}")
+        return 2
+    _say(
+        rank,
+        f"embshard train: {world} ranks on {device.type}, optimizer {config.optimizer}, "
+        f"{config.tables} tables of {config.rows} x {config.dim}\n\n{plan}\n",
+    )
+    optimizer = dmp.optimizer()
+    data = SyntheticClicks(tables, batch_size=config.batch_size, seed=config.seed)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    losses = torch.zeros(config.steps, dtype=torch.float64, device=device)
+    window, started, last = config.window, time.perf_counter(), time.perf_counter()
+    after_first = started
+    for step in range(config.steps):
+        batch = data.batch(step, rank, world)
+        logits = dmp(batch.dense.to(device), batch.sparse.to(device))
+        loss = loss_fn(logits, batch.labels.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses[step] = loss.detach()
+        if step == 0:
+            after_first = time.perf_counter()
+        done = step + 1
+        if done % window == 0 or done == config.steps:
+            lo = done - (done - 1) % window - 1
+            mean = all_reduce(losses[lo:done].sum().reshape(1), name="train.loss") / (
+                world * (done - lo)
+            )
+            now = time.perf_counter()
+            rate = (done - lo) / max(now - last, 1e-9)
+            last = now
+            _say(
+                rank,
+                f"step {done:>{len(str(config.steps))}}/{config.steps} | "
+                f"{rate:7.1f} steps/s | loss {float(mean):.4f}",
+            )
+    elapsed = time.perf_counter() - after_first
+    all_reduce(losses, name="train.losses")
+    curve = (losses / world).tolist()
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peaks = [row[0] for row in all_gather_ints([peak_kib], name="train.peak_rss")]
+    timed_steps = config.steps - 1 if config.steps > 1 else 1
+    if config.steps == 1:
+        elapsed = after_first - started
+    summary = {
+        "world_size": world,
+        "device": device.type,
+        "steps": config.steps,
+        "batch_size_per_rank": config.batch_size,
+        "seconds": elapsed,
+        "steps_per_s": timed_steps / max(elapsed, 1e-9),
+        "samples_per_s": timed_steps * config.batch_size * world / max(elapsed, 1e-9),
+        "first_window_loss": sum(curve[:window]) / len(curve[:window]),
+        "final_window_loss": sum(curve[-window:]) / len(curve[-window:]),
+        "loss_curve": curve,
+        "peak_rss_mib": [kib / 1024 for kib in peaks],
+        "config": asdict(config),
+        "plan": plan.to_dict(),
+    }
+    if rank == 0:
+        _print_summary(summary, window)
+        if config.json_path:
+            with open(config.json_path, "w") as f:
+                json.dump(summary, f, indent=2)
+    return 0
+
+
+def _print_summary(s: dict[str, Any], window: int) -> None:
+    first, final = s["first_window_loss"], s["final_window_loss"]
+    change = (final - first) / first * 100 if first else 0.0
+    memory = ", ".join(f"rank {r} {m:.0f} MiB" for r, m in enumerate(s["peak_rss_mib"]))
+    print(
+        f"\ndone: {s['steps']} steps, {s['steps_per_s']:.1f} steps/s, "
+        f"{s['samples_per_s']:,.0f} samples/s ({s['world_size']} ranks x "
+        f"{s['batch_size_per_rank']} samples, timed after the first step)\n"
+        f"loss: first {window} steps {first:.4f} -> last {window} steps {final:.4f} "
+        f"({change:+.1f}%)\n"
+        f"peak memory (RSS): {memory}",
+        flush=True,
+    )
+    sys.stdout.flush()

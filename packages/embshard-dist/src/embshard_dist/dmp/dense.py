@@ -1,0 +1,155 @@
+"""The dense rest of a sharded model: data-parallel (DDP) and its optimizer.
+
+Everything outside the sharded sub-modules is replicated on every rank and wrapped in
+``DistributedDataParallel``, which averages the dense gradients over the ranks. That is the
+dense half of embshard's one rule for the math: a step on N ranks with local losses ``L_i``
+equals the unsharded model stepped on the global batch with loss ``(1/N) * sum_i L_i`` (the
+sharded modules scale their embedding gradients by ``1/N`` the same way).
+
+The dense optimizer defaults to the torch optimizer of the same kind as the embedding one:
+
+============================ ================================================================
+embedding optimizer          dense optimizer
+============================ ================================================================
+SGD                          ``torch.optim.SGD``
+Adagrad, RowWiseAdagrad      ``torch.optim.Adagrad`` (L2 weight decay carried over)
+Adam, PartialRowWiseAdam     ``torch.optim.Adam``, ``AdamW`` with weight decay
+LAMB, PartialRowWiseLAMB     ``torch.optim.Adam`` / ``AdamW`` (torch has no LAMB)
+LARS-SGD                     ``torch.optim.SGD`` with its momentum (torch has no LARS)
+============================ ================================================================
+
+with the embedding optimizer's learning rate, betas and eps.
+
+Guarantees: the sharded sub-modules' parameters and buffers are never touched by DDP (neither
+broadcast at construction nor all-reduced); DDP's construction broadcasts rank 0's dense
+parameters, so the dense rest starts identical on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from embshard_optim.specs import OptimizerSpec, OptimType, WeightDecayMode
+from embshard_types.env import ShardingEnv
+
+__all__ = [
+    "DenseOptimizerFactory",
+    "default_dense_optimizer",
+    "dense_named_parameters",
+    "dense_optimizer_factory",
+    "wrap_data_parallel",
+]
+
+DenseOptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+"""Builds the dense optimizer from the list of dense parameters."""
+
+
+def _inside(name: str, sharded: set[str]) -> bool:
+    return any(p == "" or name.startswith(p + ".") for p in sharded)
+
+
+def dense_named_parameters(model: nn.Module, sharded: set[str]) -> dict[str, nn.Parameter]:
+    """Name -> parameter for the trainable parameters outside the sharded sub-modules.
+
+    Args:
+        model: the (unwrapped) model.
+        sharded: the paths of the sharded sub-modules.
+    """
+    return {
+        name: p
+        for name, p in model.named_parameters()
+        if p.requires_grad and not _inside(name, sharded)
+    }
+
+
+def wrap_data_parallel(
+    model: nn.Module, sharded: set[str], env: ShardingEnv, device: torch.device, **ddp_kwargs: Any
+) -> nn.Module:
+    """``model`` in a ``DistributedDataParallel`` that skips the sharded sub-modules.
+
+    Returns ``model`` itself when it has no trainable dense parameter (DDP refuses such a
+    model) or when the world has a single rank and no process group.
+
+    Args:
+        model: the model with its sharded sub-modules swapped in.
+        sharded: the paths of the sharded sub-modules.
+        env: the ranks (its process group is DDP's).
+        device: the compute device (DDP's ``device_ids`` for an accelerator).
+        ddp_kwargs: more ``DistributedDataParallel`` options (they override the defaults:
+            ``forward_sync_buffers=False``, ``gradient_as_bucket_view=True``).
+    """
+    if env.process_group is None or not dense_named_parameters(model, sharded):
+        return model
+    ignore = [
+        name
+        for name, _ in (*model.named_parameters(), *model.named_buffers())
+        if _inside(name, sharded)
+    ]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    options: dict[str, Any] = {"forward_sync_buffers": False, "gradient_as_bucket_view": True}
+    options.update(ddp_kwargs)
+    device_ids = None if device.type == "cpu" else [device]
+    return DistributedDataParallel(
+        model, device_ids=device_ids, process_group=env.process_group, **options
+    )
+
+
+def default_dense_optimizer(
+    spec: OptimizerSpec,
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The torch optimizer class and keyword arguments matching an embedding optimizer.
+
+    Args:
+        spec: the embedding optimizer (see the module docstring for the mapping).
+    """
+    kind, lr = spec.optim_type, spec.learning_rate
+    if kind is OptimType.SGD:
+        return torch.optim.SGD, {"lr": lr}
+    if kind is OptimType.LARS_SGD:
+        return torch.optim.SGD, {
+            "lr": lr,
+            "momentum": spec.momentum,
+            "weight_decay": spec.weight_decay,
+        }
+    if kind in (OptimType.ADAGRAD, OptimType.ROWWISE_ADAGRAD):
+        decay = spec.weight_decay if spec.weight_decay_mode is WeightDecayMode.L2 else 0.0
+        return torch.optim.Adagrad, {"lr": lr, "eps": spec.eps, "weight_decay": decay}
+    adam_kwargs = {"lr": lr, "betas": (spec.beta1, spec.beta2), "eps": spec.eps}
+    if spec.weight_decay > 0.0:
+        return torch.optim.AdamW, {**adam_kwargs, "weight_decay": spec.weight_decay}
+    return torch.optim.Adam, adam_kwargs
+
+
+def dense_optimizer_factory(
+    dense_optimizer: type[torch.optim.Optimizer] | DenseOptimizerFactory | None,
+    spec: OptimizerSpec,
+) -> DenseOptimizerFactory:
+    """What builds the dense optimizer.
+
+    Args:
+        dense_optimizer: ``None`` (the default for ``spec``), a ``torch.optim`` class (built
+            with ``spec``'s learning rate), or a factory ``params -> optimizer``.
+        spec: the embedding optimizer.
+    """
+    if dense_optimizer is None:
+        cls, kwargs = default_dense_optimizer(spec)
+        return lambda params: cls(params, **kwargs)
+    if isinstance(dense_optimizer, type):
+        if not issubclass(dense_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"dense_optimizer must be a torch.optim.Optimizer class or a factory, got "
+                f"{dense_optimizer.__name__}"
+            )
+        opt_cls: Any = dense_optimizer
+        return lambda params: opt_cls(params, lr=spec.learning_rate)
+    if not callable(dense_optimizer):
+        raise TypeError(
+            f"dense_optimizer must be a torch.optim.Optimizer class or a factory "
+            f"params -> optimizer, got {dense_optimizer!r}"
+        )
+    return dense_optimizer

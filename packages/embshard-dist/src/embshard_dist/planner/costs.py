@@ -1,0 +1,445 @@
+"""The planner's cost model: memory and step time each shard puts on the rank that holds it.
+
+Every estimate is built from four pieces, each a function of one table's shape and traffic
+(:class:`LoadedTable`), the :class:`~embshard_dist.planner.topology.Topology` and the optimizer:
+
+* :func:`holder_cost`: a shard of ``rows x cols`` on the rank that holds it: receiving the ids
+  it looks up (every rank's ids for its rows), the lookup forward and backward with the update,
+  and sending its pooled output (an all-to-all for table/column-wise shards, a reduce-scatter
+  over all ranks for row-wise, within the node then across nodes for table-row-wise and grid);
+* :func:`batch_cost`: what every rank pays for each sharded table on its own batch: sending
+  its ids out and receiving its pooled rows back;
+* :func:`replica_cost`: a data-parallel table on every rank: a local lookup, then embshard's
+  sparse all-reduce of the touched rows and the same sparse update on every rank;
+* :func:`collective_overhead`: the fixed latency of the collectives one sharding type adds.
+
+Traffic assumptions (documented, deliberately simple): ids are spread uniformly over rows, so
+a row block receives its share of the global ids and ``n`` draws touch
+``rows * (1 - exp(-n / rows))`` distinct rows; collectives move ``sent + received`` bytes at the
+topology's bandwidth, split between peers on the same node and peers on other nodes. Time is
+compute (lookups, updates) plus comms, per rank, with no overlap: the step time of a plan is
+its slowest rank's.
+
+Storage counts whole bytes per rank: weights, optimizer state (``state_names`` of the
+optimizer; row-wise states one fp32 per row), the input and output buffers of one step, and a
+dense gradient for the ``dense`` kernel. On CUDA, UVM kernels keep weights and state in host
+memory (the caching kernel keeps ``load_factor`` of the rows in device memory too) and the
+key-value kernel keeps only its cache in device memory.
+
+Guarantees: pure functions of their arguments (deterministic); :func:`sharding_costs` of the
+``ParameterSharding`` built from an option gives, rank by rank, the costs of that option
+(:mod:`~embshard_dist.planner.enumerate`), so the estimate of a plan
+(:mod:`~embshard_dist.planner.estimate`) is exactly what the partitioner balanced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from embshard_dist.planner.constraints import (
+    ParameterConstraints,
+    TableWorkload,
+    constraints_for,
+    table_workload,
+)
+from embshard_dist.planner.tables import PlannerTable
+from embshard_dist.planner.topology import SPARSE_UPDATE, Topology
+from embshard_optim.specs import OptimizerSpec, OptimType
+from embshard_types.parameter_sharding import ParameterSharding
+from embshard_types.vocab import ComputeKernel, ShardingType
+
+__all__ = [
+    "DEFAULT_PLANNER_OPTIMIZER",
+    "DEFAULT_RESERVE_FRACTION",
+    "Cost",
+    "CostModel",
+    "LoadedTable",
+    "batch_cost",
+    "collective_overhead",
+    "holder_cost",
+    "load_tables",
+    "replica_cost",
+    "sharding_costs",
+    "usable_memory",
+]
+
+DEFAULT_PLANNER_OPTIMIZER = OptimizerSpec(OptimType.ROWWISE_ADAGRAD)
+"""The optimizer assumed when none is given (its state is one fp32 per row)."""
+
+DEFAULT_RESERVE_FRACTION = 0.1
+"""Share of each rank's memory kept free of tables (allocator slack, activations)."""
+
+DENSE_STATE_FACTOR = 4
+"""Dense parameters cost weights + gradients + two optimizer states (Adam) on every rank."""
+
+DENSE_PASSES = 10
+"""Passes over a ``dense``-kernel shard per step (zeroed gradient, torch optimizer step).
+Measured on K1 (benchmarks.md): TorchRec's dense collection with torch Adagrad costs ~85 ms
+more than FBGEMM's fused update for 4 x 100k x 64 fp32, ~10 passes at copy bandwidth."""
+
+_ID_BYTES = 8
+_LENGTH_BYTES = 4
+_WEIGHT_BYTES = 4
+_STATE_BYTES = 4
+_COLLECTIVES_PER_TYPE = 4  # ids splits, ids values, output forward, gradient backward
+_COLLECTIVES_DATA_PARALLEL = 2  # sizes, rows
+
+_ROW_FAMILY = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
+_NODE_REDUCED = (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What something costs one rank per step.
+
+    Args:
+        compute_s: lookup, backward and update time.
+        comms_s: collective time.
+        storage: bytes of compute-device memory (HBM on CUDA, host memory on the CPU).
+        host_storage: bytes of host memory on CUDA (UVM tables); 0 on the CPU.
+    """
+
+    compute_s: float = 0.0
+    comms_s: float = 0.0
+    storage: int = 0
+    host_storage: int = 0
+
+    @property
+    def time_s(self) -> float:
+        """Compute plus comms."""
+        return self.compute_s + self.comms_s
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(
+            self.compute_s + other.compute_s,
+            self.comms_s + other.comms_s,
+            self.storage + other.storage,
+            self.host_storage + other.host_storage,
+        )
+
+
+ZERO = Cost()
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The topology and optimizer the costs are computed for.
+
+    Args:
+        topology: ranks, memory and speeds.
+        optimizer: the embedding optimizer (its state sizes).
+        fused_on_torch: the fused kernel runs embshard's plain-torch update (optimizers that
+            FBGEMM cannot run on the device), costed at the ``sparse_update`` throughput.
+        cache_load_factor: share of rows cached in device memory by the UVM-caching and
+            key-value kernels when the table's cache params give none.
+    """
+
+    topology: Topology
+    optimizer: OptimizerSpec = DEFAULT_PLANNER_OPTIMIZER
+    fused_on_torch: bool = False
+    cache_load_factor: float = 0.2
+    rowwise_states: int = field(init=False, repr=False, compare=False)
+    pointwise_states: int = field(init=False, repr=False, compare=False)
+
+    @classmethod
+    def build(cls, topology: Topology, optimizer: OptimizerSpec | None = None) -> CostModel:
+        """The model for ``topology`` and ``optimizer`` (default: RowWiseAdagrad).
+
+        Asks FBGEMM's capability table (lazily imported) whether the optimizer runs in its
+        fused kernel on the device.
+        """
+        spec = optimizer or DEFAULT_PLANNER_OPTIMIZER
+        on_torch = False
+        if topology.compute_device == "cpu":
+            from embshard_kernels.fbgemm_mapping import fbgemm_refusal
+
+            on_torch = fbgemm_refusal(spec, "cpu") is not None
+        return cls(topology, spec, on_torch)
+
+    def __post_init__(self) -> None:
+        names = self.optimizer.state_names()
+        rowwise = sum(1 for n in names if self.optimizer.state_is_rowwise(n))
+        object.__setattr__(self, "rowwise_states", rowwise)
+        object.__setattr__(self, "pointwise_states", len(names) - rowwise)
+
+    def state_bytes_per_row(self, cols: int) -> int:
+        """Optimizer state bytes per row of a ``cols``-wide shard."""
+        return _STATE_BYTES * (self.pointwise_states * cols + self.rowwise_states)
+
+    def rowwise_state(self) -> bool:
+        """Whether the optimizer keeps a per-row statistic (needs full rows under CW)."""
+        return self.rowwise_states > 0
+
+
+@dataclass(frozen=True)
+class LoadedTable:
+    """A table with its constraints and per-rank traffic.
+
+    Args:
+        table: the table.
+        constraints: its constraints.
+        workload: ids and bags per rank per step.
+    """
+
+    table: PlannerTable
+    constraints: ParameterConstraints
+    workload: TableWorkload
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes per element of its pooled output."""
+        dtype = self.constraints.output_dtype
+        return 4 if dtype is None else max(1, dtype.bits // 8)
+
+    @property
+    def id_bytes(self) -> int:
+        """Bytes sent per id (the id, plus its weight when weighted)."""
+        return _ID_BYTES + (_WEIGHT_BYTES if self.workload.weighted else 0)
+
+
+def load_tables(
+    tables: Sequence[PlannerTable],
+    constraints: Mapping[str, ParameterConstraints] | None,
+    batch_size: int,
+) -> list[LoadedTable]:
+    """Attach constraints and traffic to each table."""
+    out = []
+    for t in tables:
+        c = constraints_for(t, constraints)
+        out.append(LoadedTable(t, c, table_workload(t, c, batch_size)))
+    return out
+
+
+def _unique(rows: float, draws: float) -> float:
+    if rows <= 0 or draws <= 0:
+        return 0.0
+    return -rows * math.expm1(-draws / rows)
+
+
+def _spread(nbytes: float, topo: Topology) -> float:
+    """Seconds to exchange ``nbytes`` spread evenly over all ranks (own share is free)."""
+    n, m = topo.world_size, topo.ranks_per_node
+    return nbytes * ((m - 1) / n / topo.intra_node_bw + (n - m) / n / topo.inter_node_bw)
+
+
+def _reduced_within_node(nbytes: float, topo: Topology) -> float:
+    """Seconds of a reduce-scatter / all-gather moving ``nbytes`` within one node."""
+    m = topo.ranks_per_node
+    return nbytes * (m - 1) / m / topo.within_node_reduce_bw
+
+
+def _across_nodes(nbytes: float, topo: Topology) -> float:
+    nodes = topo.num_nodes
+    return nbytes * (nodes - 1) / nodes / topo.inter_node_bw
+
+
+def _split_storage(
+    kernel: ComputeKernel, table_bytes: float, buffers: float, lt: LoadedTable, model: CostModel
+) -> tuple[int, int]:
+    """(device, host) bytes of a shard whose weights + state take ``table_bytes``."""
+    if model.topology.compute_device != "cuda":
+        return math.ceil(table_bytes + buffers), 0
+    cache = lt.constraints.cache_params
+    lf = cache.load_factor if cache is not None and cache.load_factor else model.cache_load_factor
+    if kernel is ComputeKernel.FUSED_UVM:
+        return math.ceil(buffers), math.ceil(table_bytes)
+    if kernel is ComputeKernel.FUSED_UVM_CACHING:
+        return math.ceil(buffers + lf * table_bytes), math.ceil(table_bytes)
+    if kernel is ComputeKernel.KEY_VALUE:
+        return math.ceil(buffers + lf * table_bytes), 0
+    return math.ceil(table_bytes + buffers), 0
+
+
+def _backward_s(
+    kernel: ComputeKernel,
+    fwd_bytes: float,
+    rows: int,
+    cols: int,
+    touched: float,
+    lt: LoadedTable,
+    model: CostModel,
+) -> float:
+    topo = model.topology
+    eb = lt.table.element_bytes
+    state_row = model.state_bytes_per_row(cols)
+    if kernel is ComputeKernel.DENSE:
+        # Autograd writes a dense gradient of the whole shard, which a torch optimizer then
+        # steps: DENSE_PASSES passes over the shard at memory bandwidth.
+        whole = DENSE_PASSES * rows * cols * 4
+        return 2 * fwd_bytes / topo.throughput(kernel).bwd_bytes_per_s + whole / topo.memory_bw
+    if model.fused_on_torch and kernel in (ComputeKernel.FUSED, ComputeKernel.DEFAULT):
+        update = touched * (cols * (2 * eb + 4) + 2 * state_row)
+        return (
+            2 * fwd_bytes / topo.throughput(ComputeKernel.DENSE).bwd_bytes_per_s
+            + update / topo.throughput(SPARSE_UPDATE).bwd_bytes_per_s
+        )
+    bwd_bytes = 2 * fwd_bytes + 2 * touched * state_row
+    return bwd_bytes / topo.throughput(kernel).bwd_bytes_per_s
+
+
+def holder_cost(
+    lt: LoadedTable,
+    sharding_type: ShardingType,
+    kernel: ComputeKernel,
+    rows: int,
+    cols: int,
+    model: CostModel,
+    *,
+    column_blocks: int = 1,
+) -> Cost:
+    """Cost, on the rank holding it, of one ``rows x cols`` shard of a sharded table.
+
+    Args:
+        lt: the table.
+        sharding_type: its sharding type (not data-parallel).
+        kernel: its compute kernel.
+        rows: rows of the shard.
+        cols: columns of the shard.
+        model: topology and optimizer.
+        column_blocks: number of column blocks the table is cut into.
+    """
+    topo = model.topology
+    n = topo.world_size
+    w = lt.workload
+    global_bags = n * w.bags
+    ids_in = n * w.ids * rows / lt.table.rows
+    touched = _unique(rows, ids_in)
+    in_bytes = ids_in * lt.id_bytes + global_bags * _LENGTH_BYTES
+    out_bytes = global_bags * cols * lt.output_bytes
+    comms = _spread(in_bytes, topo)
+    if sharding_type in _NODE_REDUCED:
+        comms += _reduced_within_node(4 * out_bytes, topo)
+        comms += _across_nodes(2 * out_bytes / topo.ranks_per_node, topo)
+    elif sharding_type is ShardingType.ROW_WISE:
+        # Reduce-scatter over every rank: the node's share at the reduce-scatter bandwidth.
+        n, m = topo.world_size, topo.ranks_per_node
+        inter = 4 * out_bytes * (n - m) / n / topo.inter_node_bw
+        comms += 4 * out_bytes * (m - 1) / n / topo.within_node_reduce_bw + inter
+    else:
+        comms += _spread(2 * out_bytes, topo)
+    if column_blocks > 1 and model.rowwise_state():
+        comms += _spread(2 * _STATE_BYTES * touched * column_blocks, topo)
+    eb = lt.table.element_bytes
+    fwd_bytes = ids_in * cols * eb + global_bags * cols * lt.output_bytes
+    compute = fwd_bytes / topo.throughput(kernel).fwd_bytes_per_s
+    compute += _backward_s(kernel, fwd_bytes, rows, cols, touched, lt, model)
+    table_bytes = rows * (cols * eb + model.state_bytes_per_row(cols))
+    buffers = in_bytes + 2 * out_bytes
+    if kernel is ComputeKernel.DENSE:
+        buffers += rows * cols * 4
+    storage, host = _split_storage(kernel, table_bytes, buffers, lt, model)
+    return Cost(compute, comms, storage, host)
+
+
+def batch_cost(
+    lt: LoadedTable, sharding_type: ShardingType, model: CostModel, *, column_blocks: int = 1
+) -> Cost:
+    """Cost, on every rank, of feeding a sharded table its own batch and getting rows back.
+
+    Args:
+        lt: the table.
+        sharding_type: its sharding type (not data-parallel).
+        model: topology and optimizer.
+        column_blocks: number of column blocks (column-wise, table-column-wise, grid).
+    """
+    topo = model.topology
+    w = lt.workload
+    m, n = topo.ranks_per_node, topo.world_size
+    copies, lengths = {
+        ShardingType.TABLE_WISE: (1, 1),
+        ShardingType.COLUMN_WISE: (column_blocks, column_blocks),
+        ShardingType.TABLE_COLUMN_WISE: (column_blocks, column_blocks),
+        ShardingType.ROW_WISE: (1, n),
+        ShardingType.TABLE_ROW_WISE: (1, m),
+        ShardingType.GRID_SHARD: (column_blocks, column_blocks * m),
+    }[sharding_type]
+    in_bytes = copies * w.ids * lt.id_bytes + lengths * w.bags * _LENGTH_BYTES
+    out_bytes = w.bags * lt.table.dim * lt.output_bytes
+    comms = _spread(in_bytes, topo)
+    if sharding_type not in _ROW_FAMILY:
+        comms += _spread(2 * out_bytes, topo)
+    compute = 2 * w.ids * lt.id_bytes / topo.memory_bw  # permute / bucketize the ids
+    return Cost(compute, comms, math.ceil(in_bytes + 2 * out_bytes), 0)
+
+
+def replica_cost(lt: LoadedTable, kernel: ComputeKernel, model: CostModel) -> Cost:
+    """Cost, on every rank, of a data-parallel table (looked up locally, sparse all-reduce).
+
+    Args:
+        lt: the table.
+        kernel: its compute kernel (sets the lookup throughput).
+        model: topology and optimizer.
+    """
+    topo = model.topology
+    n = topo.world_size
+    rows, dim = lt.table.rows, lt.table.dim
+    w = lt.workload
+    eb = lt.table.element_bytes
+    state_row = model.state_bytes_per_row(dim)
+    local_rows = _unique(rows, w.ids)
+    global_rows = _unique(rows, n * w.ids)
+    thr = topo.throughput(kernel)
+    fwd_bytes = w.ids * dim * eb + w.bags * dim * lt.output_bytes
+    update = global_rows * (dim * (2 * eb + 4) + 2 * state_row)
+    compute = fwd_bytes / thr.fwd_bytes_per_s + 2 * fwd_bytes / thr.bwd_bytes_per_s
+    compute += 2 * local_rows * dim * 4 / topo.memory_bw  # aggregate the touched rows
+    compute += update / topo.throughput(SPARSE_UPDATE).bwd_bytes_per_s
+    chunk = local_rows * (dim * 4 + _ID_BYTES)
+    comms = _spread(2 * n * chunk, topo)
+    table_bytes = rows * (dim * eb + state_row)
+    buffers = w.ids * lt.id_bytes + 2 * w.bags * dim * lt.output_bytes + n * chunk
+    storage, host = _split_storage(kernel, table_bytes, buffers, lt, model)
+    return Cost(compute, comms, storage, host)
+
+
+def collective_overhead(sharding_type: ShardingType, model: CostModel) -> Cost:
+    """Latency of the collectives that using ``sharding_type`` at all adds to every rank."""
+    if model.topology.world_size == 1:
+        return ZERO
+    count = (
+        _COLLECTIVES_DATA_PARALLEL
+        if sharding_type is ShardingType.DATA_PARALLEL
+        else _COLLECTIVES_PER_TYPE
+    )
+    return Cost(0.0, count * model.topology.collective_latency_s, 0, 0)
+
+
+def _column_blocks(ps: ParameterSharding) -> int:
+    if not ps.shards:
+        return 1
+    return len({s.offsets[1] for s in ps.shards})
+
+
+def sharding_costs(lt: LoadedTable, ps: ParameterSharding, model: CostModel) -> list[Cost]:
+    """Per-rank cost of one table sharded as ``ps`` (without the per-type latency).
+
+    Raises:
+        ValueError: a sharded table without shard specs.
+    """
+    n = model.topology.world_size
+    costs = [ZERO] * n
+    kernel = ps.compute_kernel
+    if ps.sharding_type is ShardingType.DATA_PARALLEL:
+        replica = replica_cost(lt, kernel, model)
+        for r in ps.ranks or range(n):
+            costs[r] = costs[r] + replica
+        return costs
+    if not ps.shards:
+        raise ValueError(
+            f"table {lt.table.key!r}: a {ps.sharding_type.value} sharding needs shard specs"
+        )
+    blocks = _column_blocks(ps)
+    batch = batch_cost(lt, ps.sharding_type, model, column_blocks=blocks)
+    costs = [batch] * n
+    for shard in ps.shards:
+        rows, cols = shard.sizes[0], shard.sizes[1]
+        holder = holder_cost(lt, ps.sharding_type, kernel, rows, cols, model, column_blocks=blocks)
+        costs[shard.rank] = costs[shard.rank] + holder
+    return costs
+
+
+def usable_memory(capacity: int, reserve_fraction: float, dense_bytes: int) -> int:
+    """Bytes of a rank's ``capacity`` left for tables after the reserve and the dense part."""
+    return int(capacity * (1.0 - reserve_fraction)) - DENSE_STATE_FACTOR * dense_bytes

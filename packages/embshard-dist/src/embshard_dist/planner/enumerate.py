@@ -1,0 +1,428 @@
+"""Every way each table can be sharded on the device, with what each piece of it costs.
+
+For every table, every sharding type the sharder offers on the device (and the table's
+constraints allow) is enumerated with every allowed kernel, on the CPU as on CUDA: data-parallel,
+table-wise, row-wise, column-wise (2, 4, 8... blocks, up to the world size), table-row-wise,
+table-column-wise and grid. Each :class:`ShardingOption` says what it costs as
+
+* ``base``: a fixed cost per rank (the batch side of a sharded table, the replicas of a
+  data-parallel one, the row blocks of a row-wise one, which sit on every rank in order), and
+* ``units``: pieces the partitioner places: one shard on one rank (table-wise, each column
+  block), or one block of ``ranks_per_node`` shards on one node (table-row-wise, the column
+  blocks of table-column-wise, each column block of grid).
+
+Shard sizes come from :mod:`embshard_dist.sharding.layout` (the same cut the sharded modules
+use) and costs from :mod:`embshard_dist.planner.estimate`, so :meth:`ShardingOption.build` gives
+the ``ParameterSharding`` whose estimate is exactly what the partitioner balanced.
+
+Sharders are duck-typed (:class:`ShardingCapabilities`). Without one, the planner uses
+embshard's ``EmbeddingBagCollectionSharder`` when it is installed, else
+:class:`DefaultCapabilities` (all seven types, the device's training kernels).
+
+Guarantees: options come out in a fixed order (types in :data:`SHARDING_TYPE_ORDER`, kernels
+with ``fused`` first), so the planner is deterministic; options another option of the same
+shape beats on every rank in time and memory are dropped; a table left with no option raises
+``ValueError`` naming it, what its constraints allow and what the sharder offers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from embshard_dist.planner.costs import (
+    ZERO,
+    Cost,
+    CostModel,
+    LoadedTable,
+    batch_cost,
+    holder_cost,
+    replica_cost,
+)
+from embshard_dist.sharding.layout import (
+    MIN_COLUMN_BLOCK,
+    column_wise_dims,
+    row_wise_sizes,
+    shard_specs,
+)
+from embshard_types.parameter_sharding import ParameterSharding
+from embshard_types.vocab import ComputeKernel, ShardingType
+
+__all__ = [
+    "SHARDING_TYPE_ORDER",
+    "DefaultCapabilities",
+    "ShardingCapabilities",
+    "ShardingOption",
+    "Unit",
+    "default_sharders",
+    "enumerate_options",
+]
+
+SHARDING_TYPE_ORDER = (
+    ShardingType.TABLE_WISE,
+    ShardingType.ROW_WISE,
+    ShardingType.COLUMN_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.TABLE_COLUMN_WISE,
+    ShardingType.GRID_SHARD,
+    ShardingType.DATA_PARALLEL,
+)
+"""The order options are tried in (earlier wins ties)."""
+
+_INFERENCE_ONLY = (ComputeKernel.QUANT,)
+
+
+@runtime_checkable
+class ShardingCapabilities(Protocol):
+    """What a sharder tells the planner (``ModuleSharder`` has both methods)."""
+
+    def sharding_types(self, compute_device_type: str) -> list[ShardingType]:
+        """Sharding types supported on the device."""
+        ...
+
+    def compute_kernels(
+        self, sharding_type: ShardingType | str, compute_device_type: str
+    ) -> list[ComputeKernel]:
+        """Kernels supported for ``sharding_type`` on the device."""
+        ...
+
+
+class DefaultCapabilities:
+    """All seven sharding types, with the kernels embshard runs on the device.
+
+    Kernels come from ``embshard_kernels.fbgemm_mapping.available_kernels(device)``: data-parallel
+    tables use the ``fused`` kernel (embshard exchanges their touched rows and applies the same
+    sparse update on every rank); the sharded types every available kernel.
+    """
+
+    def sharding_types(self, compute_device_type: str) -> list[ShardingType]:
+        """Every sharding type."""
+        return list(SHARDING_TYPE_ORDER)
+
+    def compute_kernels(
+        self, sharding_type: ShardingType | str, compute_device_type: str
+    ) -> list[ComputeKernel]:
+        """The device's kernels for ``sharding_type`` (see the class docstring)."""
+        from embshard_kernels.fbgemm_mapping import available_kernels
+
+        if ShardingType.parse(sharding_type) is ShardingType.DATA_PARALLEL:
+            return [ComputeKernel.FUSED]
+        return list(available_kernels(compute_device_type))
+
+
+def default_sharders() -> list[ShardingCapabilities]:
+    """embshard's ``EmbeddingBagCollectionSharder`` if installed, else ``DefaultCapabilities``."""
+    try:
+        from embshard_dist.sharders.embedding_bag import (  # type: ignore[import-not-found,unused-ignore]
+            EmbeddingBagCollectionSharder,
+        )
+    except ImportError:
+        return [DefaultCapabilities()]
+    sharder: ShardingCapabilities = EmbeddingBagCollectionSharder()
+    return [sharder]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of an option the partitioner places.
+
+    Args:
+        costs: one cost (placed on a rank) or one per rank of a node (placed on a node).
+        node: whether it is placed on a node.
+    """
+
+    costs: tuple[Cost, ...]
+    node: bool = False
+    time_s: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    storage: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    host: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "time_s", tuple(c.time_s for c in self.costs))
+        object.__setattr__(self, "storage", tuple(c.storage for c in self.costs))
+        object.__setattr__(self, "host", tuple(c.host_storage for c in self.costs))
+
+
+@dataclass(frozen=True)
+class ShardingOption:
+    """One way to shard one table, before placement.
+
+    Args:
+        table_index: index of the table in the planner's table list.
+        table: the table.
+        sharding_type: the sharding type.
+        compute_kernel: the kernel.
+        base: fixed cost per rank.
+        units: pieces to place (see the module docstring).
+        allowed_ranks: ranks a rank unit may go to.
+        allowed_nodes: nodes a node unit may go to.
+        column_blocks: number of column blocks.
+    """
+
+    table_index: int
+    table: LoadedTable
+    sharding_type: ShardingType
+    compute_kernel: ComputeKernel
+    base: tuple[Cost, ...]
+    units: tuple[Unit, ...]
+    allowed_ranks: tuple[int, ...]
+    allowed_nodes: tuple[int, ...]
+    column_blocks: int = 1
+    base_time: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    base_storage: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    base_host: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    total_s: float = field(init=False, repr=False, compare=False)
+    has_base: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "base_time", tuple(c.time_s for c in self.base))
+        set_(self, "base_storage", tuple(c.storage for c in self.base))
+        set_(self, "base_host", tuple(c.host_storage for c in self.base))
+        set_(self, "has_base", any(c != ZERO for c in self.base))
+        total = sum(self.base_time) + sum(sum(u.time_s) for u in self.units)
+        set_(self, "total_s", total)
+
+    @property
+    def label(self) -> str:
+        """``"column_wise x4 / fused"``-style name for messages."""
+        blocks = f" x{self.column_blocks}" if self.column_blocks > 1 else ""
+        return f"{self.sharding_type.value}{blocks} / {self.compute_kernel.value}"
+
+    def min_storage_per_rank(self) -> int:
+        """The most device bytes it puts on any one rank, however it is placed (a lower bound)."""
+        base = max(self.base_storage, default=0)
+        units = max((max(u.storage) for u in self.units), default=0)
+        return base + units
+
+    def build(self, placement: Sequence[int], model: CostModel) -> ParameterSharding:
+        """The table's ``ParameterSharding`` for a placement of its units.
+
+        Args:
+            placement: the rank (rank units) or node (node units) of each unit, in order.
+            model: the cost model (its topology gives nodes and the device).
+        """
+        topo = model.topology
+        t = self.table.table
+        kind = self.sharding_type
+        kwargs = self.table.constraints.sharding_kwargs()
+        if kind is ShardingType.DATA_PARALLEL:
+            ranks: list[int] = list(range(topo.world_size))
+            return ParameterSharding(kind, self.compute_kernel, tuple(ranks), None, **kwargs)
+        if kind is ShardingType.ROW_WISE:
+            ranks = list(range(topo.world_size))
+        elif kind in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+            ranks = list(placement)
+        elif kind is ShardingType.TABLE_COLUMN_WISE:
+            ranks = topo.node_ranks(placement[0])[: self.column_blocks]
+        else:  # TABLE_ROW_WISE, GRID_SHARD: the ranks of each block's node, block by block
+            ranks = [r for node in placement for r in topo.node_ranks(node)]
+        specs = shard_specs(
+            kind,
+            t.rows,
+            t.dim,
+            ranks,
+            topo.compute_device,
+            local_world_size=topo.ranks_per_node,
+            table_name=t.key,
+        )
+        assert specs is not None  # only data-parallel has none
+        return ParameterSharding(kind, self.compute_kernel, tuple(ranks), tuple(specs), **kwargs)
+
+
+def _column_counts(dim: int, limit: int, min_partition: int) -> list[int]:
+    """Column block counts to try: 2, 4, 8... and ``limit``, each leaving blocks >= min width."""
+    if dim % MIN_COLUMN_BLOCK:
+        return []
+    most = min(limit, dim // min_partition)
+    counts = []
+    k = 2
+    while k <= most:
+        counts.append(k)
+        k *= 2
+    if most >= 2 and most not in counts:
+        counts.append(most)
+    return counts
+
+
+def _kernels(
+    lt: LoadedTable, sharder: ShardingCapabilities, kind: ShardingType, device: str
+) -> list[ComputeKernel]:
+    offered = [ComputeKernel.parse(k) for k in sharder.compute_kernels(kind, device)]
+    wanted = lt.constraints.compute_kernels
+    kernels = [k for k in offered if (k in wanted if wanted else k not in _INFERENCE_ONLY)]
+    kernels = list(dict.fromkeys(kernels))
+    kernels.sort(key=lambda k: k is not ComputeKernel.FUSED)
+    return kernels
+
+
+def _options_for(
+    index: int,
+    lt: LoadedTable,
+    kind: ShardingType,
+    kernel: ComputeKernel,
+    model: CostModel,
+) -> list[ShardingOption]:
+    topo = model.topology
+    n, m = topo.world_size, topo.ranks_per_node
+    t = lt.table
+    allowed = tuple(lt.constraints.ranks) if lt.constraints.ranks else tuple(range(n))
+    everyone = len(allowed) == n
+    nodes = tuple(
+        node for node in range(topo.num_nodes) if set(topo.node_ranks(node)) <= set(allowed)
+    )
+    min_part = max(MIN_COLUMN_BLOCK, lt.constraints.min_partition or MIN_COLUMN_BLOCK)
+
+    memo: dict[tuple[int, int, int], Cost] = {}
+
+    def held(rows: int, cols: int, blocks: int = 1) -> Cost:
+        key = (rows, cols, blocks)
+        if key not in memo:
+            memo[key] = holder_cost(lt, kind, kernel, rows, cols, model, column_blocks=blocks)
+        return memo[key]
+
+    def option(base: Sequence[Cost], units: Sequence[Unit], blocks: int = 1) -> ShardingOption:
+        return ShardingOption(
+            index, lt, kind, kernel, tuple(base), tuple(units), allowed, nodes, blocks
+        )
+
+    if kind is ShardingType.DATA_PARALLEL:
+        return [option([replica_cost(lt, kernel, model)] * n, [])] if everyone else []
+    if kind is ShardingType.TABLE_WISE:
+        holder = held(t.rows, t.dim)
+        return [option([batch_cost(lt, kind, model)] * n, [Unit((holder,))])]
+    if kind is ShardingType.ROW_WISE:
+        if not everyone:
+            return []
+        batch = batch_cost(lt, kind, model)
+        sizes = row_wise_sizes(t.rows, n, table_name=t.key)
+        return [option([batch + held(s, t.dim) for s in sizes], [])]
+    if kind is ShardingType.COLUMN_WISE:
+        out = []
+        for k in _column_counts(t.dim, n, min_part) or [1]:
+            dims = column_wise_dims(t.dim, k, table_name=t.key)
+            units = [Unit((held(t.rows, d, k),)) for d in dims]
+            out.append(option([batch_cost(lt, kind, model, column_blocks=k)] * n, units, k))
+        return out
+    if not nodes:
+        return []
+    if kind is ShardingType.TABLE_ROW_WISE:
+        sizes = row_wise_sizes(t.rows, m, table_name=t.key)
+        unit = Unit(tuple(held(s, t.dim) for s in sizes), True)
+        return [option([batch_cost(lt, kind, model)] * n, [unit])]
+    if kind is ShardingType.TABLE_COLUMN_WISE:
+        k = max(_column_counts(t.dim, m, min_part), default=1)
+        dims = column_wise_dims(t.dim, k, table_name=t.key)
+        costs = [held(t.rows, d, k) for d in dims]
+        unit = Unit(tuple(costs) + (ZERO,) * (m - k), True)
+        return [option([batch_cost(lt, kind, model, column_blocks=k)] * n, [unit], k)]
+    # GRID_SHARD: one column block per node (as many as the width allows), each row-wise.
+    k = max(_column_counts(t.dim, topo.num_nodes, min_part), default=1)
+    dims = column_wise_dims(t.dim, k, table_name=t.key)
+    sizes = row_wise_sizes(t.rows, m, table_name=t.key)
+    units = [
+        Unit(
+            tuple(held(s, d, k) for s in sizes),
+            True,
+        )
+        for d in dims
+    ]
+    return [option([batch_cost(lt, kind, model, column_blocks=k)] * n, units, k)]
+
+
+def _dominates(a: ShardingOption, b: ShardingOption) -> bool:
+    """Whether ``a`` is nowhere worse than ``b`` (same type and shape)."""
+    if a.sharding_type is not b.sharding_type or len(a.units) != len(b.units):
+        return False
+    pairs = [(a.base, b.base)] + [
+        (ua.costs, ub.costs) for ua, ub in zip(a.units, b.units, strict=True)
+    ]
+    for ca_list, cb_list in pairs:
+        if len(ca_list) != len(cb_list):
+            return False
+        for ca, cb in zip(ca_list, cb_list, strict=True):
+            if (
+                ca.time_s > cb.time_s
+                or ca.storage > cb.storage
+                or ca.host_storage > cb.host_storage
+            ):
+                return False
+    return True
+
+
+def _prune(options: list[ShardingOption]) -> list[ShardingOption]:
+    """Drop options another of the same type and shape beats everywhere (the first of equals
+    stays)."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, o in enumerate(options):
+        shape = (o.sharding_type, o.column_blocks, tuple(len(u.costs) for u in o.units))
+        groups.setdefault(shape, []).append(i)
+    dropped: set[int] = set()
+    for members in groups.values():
+        for i in members:
+            for j in members:
+                if (
+                    i != j
+                    and j not in dropped
+                    and _dominates(options[j], options[i])
+                    and (j < i or not _dominates(options[i], options[j]))
+                ):
+                    dropped.add(i)
+                    break
+    return [o for i, o in enumerate(options) if i not in dropped]
+
+
+def enumerate_options(
+    tables: Sequence[LoadedTable],
+    sharders: Sequence[Any],
+    model: CostModel,
+) -> list[list[ShardingOption]]:
+    """The options of every table, in table order.
+
+    Args:
+        tables: the tables with their constraints and traffic.
+        sharders: the sharder of each table (one per table, same order).
+        model: the cost model.
+
+    Raises:
+        ValueError: a table has no option left (named, with what was allowed and offered).
+    """
+    device = model.topology.compute_device
+    out = []
+    for index, (lt, sharder) in enumerate(zip(tables, sharders, strict=True)):
+        offered = [ShardingType.parse(k) for k in sharder.sharding_types(device)]
+        wanted = lt.constraints.sharding_types
+        options: list[ShardingOption] = []
+        for kind in SHARDING_TYPE_ORDER:
+            if kind not in offered or (wanted and kind not in wanted):
+                continue
+            for kernel in _kernels(lt, sharder, kind, device):
+                options.extend(_options_for(index, lt, kind, kernel, model))
+        if not options:
+            raise ValueError(_no_option_message(lt, offered, sharder, device, model))
+        out.append(_prune(options))
+    return out
+
+
+def _no_option_message(
+    lt: LoadedTable, offered: list[ShardingType], sharder: Any, device: str, model: CostModel
+) -> str:
+    c = lt.constraints
+    allowed_types = [k.value for k in c.sharding_types] if c.sharding_types else "any"
+    allowed_kernels = (
+        [k.value for k in c.compute_kernels] if c.compute_kernels else "any training kernel"
+    )
+    kernels = {
+        k.value: [ComputeKernel.parse(x).value for x in sharder.compute_kernels(k, device)]
+        for k in offered
+    }
+    ranks = f", ranks {list(c.ranks)}" if c.ranks else ""
+    return (
+        f"table {lt.table.key!r} has no sharding option on {device} with "
+        f"{model.topology.world_size} ranks: its constraints allow sharding types "
+        f"{allowed_types}, kernels {allowed_kernels}{ranks}; the sharder "
+        f"{type(sharder).__name__} offers {kernels}. Relax the table's constraints "
+        "(row-wise and data-parallel need every rank allowed; table-row-wise and grid a "
+        "whole node)"
+    )

@@ -1,0 +1,205 @@
+"""Choosing one option per table and placing it: the slowest rank as fast as memory allows.
+
+:func:`partition` runs, in order:
+
+1. a greedy proposer: tables heaviest first (longest-processing-time order), each given the
+   option and placement that keeps the lower bound of the final step time smallest (the larger
+   of the slowest rank so far and the mean rank time once the other tables' cheapest options
+   are added), then the smaller total time; if memory runs out, a second greedy pass that
+   places each table where memory stays most even;
+2. a local search: each table in turn is taken out and put back with its best option and
+   placement, while that lowers (slowest rank, sum of squared rank times);
+3. a beam search (:func:`~embshard_dist.planner.search.beam_search`) whose width fits a fixed
+   budget of placements, followed by the same local search; the better partition is kept;
+4. for small problems, an exact branch-and-bound seeded with the best so far; when it finishes
+   the result is optimal over the enumerated options (``Partition.optimal``).
+
+Guarantees: deterministic for the same input (no clocks, no randomness, ties broken by index);
+every returned partition fits every rank's usable memory; when nothing fits, :class:`NoFit`
+says which table could not be placed and the loads at that point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from embshard_dist.planner.loads import LoadState, PartitionContext, Placed, place, score_after
+from embshard_dist.planner.search import SearchResult, beam_search, exact_search
+
+__all__ = ["NoFit", "Partition", "SearchMode", "greedy", "improve", "partition"]
+
+SearchMode = Literal["auto", "greedy", "beam", "exact"]
+"""``greedy``: steps 1-2; ``beam``: 1-3; ``exact``: 1-4 whatever the size; ``auto``: 1-3, and
+4 when there are at most ``EXACT_MAX_TABLES`` tables."""
+
+BEAM_BUDGET = 60_000
+"""Placements the beam search may try (its width is this over tables x options, 1 to 16)."""
+
+EXACT_MAX_TABLES = 12
+"""``auto`` runs the exact search for at most this many tables."""
+
+EXACT_BUDGET = 40_000
+"""Placements the exact search may try before it stops."""
+
+_EPS = 1e-12
+
+
+class NoFit(Exception):
+    """No partition fits in memory.
+
+    Args:
+        table_index: the first table that could not be placed.
+        state: the loads when it failed.
+        placed: the tables placed before it (table index -> placed option).
+    """
+
+    def __init__(self, table_index: int, state: LoadState, placed: dict[int, Placed]) -> None:
+        super().__init__(f"table {table_index} does not fit")
+        self.table_index = table_index
+        self.state = state
+        self.placed = placed
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The chosen option and placement of every table.
+
+    Args:
+        choices: per table, in table order.
+        max_s: the slowest rank's estimated step time.
+        method: which steps produced it (e.g. ``"beam(16)+local"``).
+        optimal: the exact search finished: no partition of the enumerated options is faster.
+    """
+
+    choices: tuple[Placed, ...]
+    max_s: float
+    method: str
+    optimal: bool = False
+
+
+def greedy(ctx: PartitionContext, *, memory_first: bool = False) -> SearchResult:
+    """The greedy proposer (step 1 of the module docstring).
+
+    Args:
+        ctx: options, capacities and latencies.
+        memory_first: rank candidates by the fullest rank's memory share first.
+
+    Raises:
+        NoFit: a table fits nowhere.
+    """
+    st = LoadState(ctx.n)
+    placed: dict[int, Placed] = {}
+    remaining = sum(ctx.min_total)
+    for ti in ctx.order:
+        remaining -= ctx.min_total[ti]
+        best: tuple[tuple[float, ...], Placed] | None = None
+        for oi, opt in enumerate(ctx.options[ti]):
+            p = place(opt, st, ctx)
+            if p is None:
+                continue
+            new_max, new_sum = score_after(st, p, ctx)
+            if memory_first:
+                fullest = max(
+                    (m + d) / c if c > 0 else 0.0
+                    for m, d, c in zip(st.mem, p.dm, ctx.cap, strict=True)
+                )
+                key: tuple[float, ...] = (fullest, new_max, new_sum, oi)
+            else:
+                key = (max(new_max, (new_sum + remaining) / ctx.n), new_sum, new_max, oi)
+            if best is None or key < best[0]:
+                best = (key, p)
+        if best is None:
+            raise NoFit(ti, st, placed)
+        st.apply(best[1], ctx)
+        placed[ti] = best[1]
+    return SearchResult(tuple(placed[i] for i in range(len(ctx.options))), st)
+
+
+def improve(ctx: PartitionContext, result: SearchResult, max_passes: int = 4) -> SearchResult:
+    """Local search: re-place one table at a time while (slowest, sum of squares) drops.
+
+    Args:
+        ctx: options, capacities and latencies.
+        result: the partition to improve (left unchanged; a new one is returned).
+        max_passes: passes over all tables at most.
+    """
+    st = result.state.copy()
+    choices = list(result.choices)
+    for _ in range(max_passes):
+        changed = False
+        for ti in ctx.order:
+            current = choices[ti]
+            before = st.objective()
+            st.remove(current, ctx)
+            best_obj, best_p = before, current
+            for opt in ctx.options[ti]:
+                p = place(opt, st, ctx)
+                if p is None or (p.option is current.option and p.placement == current.placement):
+                    continue
+                st.apply(p, ctx)
+                obj = st.objective()
+                st.remove(p, ctx)
+                if obj[0] < best_obj[0] - _EPS or (
+                    obj[0] <= best_obj[0] + _EPS and obj[1] < best_obj[1] * (1 - 1e-9)
+                ):
+                    best_obj, best_p = obj, p
+            st.apply(best_p, ctx)
+            if best_p is not current:
+                choices[ti] = best_p
+                changed = True
+        if not changed:
+            break
+    return SearchResult(tuple(choices), st)
+
+
+def _better(a: SearchResult, b: SearchResult) -> bool:
+    oa, ob = a.state.objective(), b.state.objective()
+    return oa[0] < ob[0] - _EPS or (oa[0] <= ob[0] + _EPS and oa[1] < ob[1] * (1 - 1e-9))
+
+
+def partition(
+    ctx: PartitionContext,
+    *,
+    search: SearchMode = "auto",
+    beam_budget: int = BEAM_BUDGET,
+    exact_budget: int = EXACT_BUDGET,
+) -> Partition:
+    """Choose and place an option for every table (see the module docstring).
+
+    Args:
+        ctx: options, capacities and latencies.
+        search: how far to search (:data:`SearchMode`).
+        beam_budget: placements the beam search may try.
+        exact_budget: placements the exact search may try.
+
+    Raises:
+        NoFit: nothing fits (from the greedy passes, which both failed).
+    """
+    try:
+        best = greedy(ctx)
+    except NoFit as first:
+        try:
+            best = greedy(ctx, memory_first=True)
+        except NoFit:
+            raise first from None
+    best = improve(ctx, best)
+    method = "greedy+local"
+    if search in ("beam", "exact", "auto"):
+        evaluations = max(1, sum(len(o) for o in ctx.options))
+        width = max(1, min(16, beam_budget // evaluations))
+        found = beam_search(ctx, width)
+        if found is not None:
+            found = improve(ctx, found)
+            if _better(found, best):
+                best, method = found, f"beam({width})+local"
+    optimal = False
+    if search == "exact" or (search == "auto" and len(ctx.options) <= EXACT_MAX_TABLES):
+        exact = exact_search(ctx, best, exact_budget)
+        if exact is not None:
+            optimal = exact.complete
+            if exact.state.max_s < best.state.max_s - _EPS:
+                best, method = improve(ctx, exact), "exact"
+            elif optimal:
+                method += ", proven optimal"
+    return Partition(best.choices, best.state.max_s, method, optimal)

@@ -1,0 +1,396 @@
+"""The machine a plan is made for: ranks, memory per rank, and the speeds that decide step time.
+
+A :class:`Topology` holds what the planner's estimators read: the world size and ranks per node,
+the compute device, the memory each rank may use (device memory; on CUDA also host memory for
+UVM tables), the memory bandwidth, the per-rank bandwidths of collectives within and across
+nodes, the fixed latency of one collective, and the throughput of each compute kernel's lookup
+forward and backward (:class:`KernelThroughput`).
+
+Where the numbers come from, best first: a topology file written by ``embshard calibrate``
+(measured on the machine at hand, see :mod:`embshard_dist.planner.calibrate`), then the
+hard-coded fallbacks of :func:`default_topology` (measured once on a 2-core CPU host, or typical
+figures of a current GPU). ``source`` records which.
+
+Conventions: bandwidths are bytes per second; a collective's bandwidth counts the bytes a rank
+sends plus the bytes it receives (so an exchange moving ``s`` bytes out and ``s`` bytes in at
+bandwidth ``bw`` takes ``2 s / bw``); memory is bytes per rank.
+
+Guarantees: a topology is frozen and validated at construction (``ValueError`` naming the field
+otherwise); ``Topology.from_dict(t.to_dict()) == t`` and ``Topology.load(path)`` reads what
+``save`` wrote; reading a file whose format ``version`` is newer than this code raises
+``ValueError`` asking for an upgrade.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from embshard_types.vocab import ComputeKernel
+
+__all__ = [
+    "SPARSE_UPDATE",
+    "TOPOLOGY_FORMAT_VERSION",
+    "KernelThroughput",
+    "Topology",
+    "default_topology",
+]
+
+TOPOLOGY_FORMAT_VERSION = 1
+"""Version of the dict / JSON format ``Topology.to_dict`` writes."""
+
+SPARSE_UPDATE = "sparse_update"
+"""Key of ``Topology.kernels`` for embshard's plain-torch sparse update rules (data-parallel
+tables, and fused tables whose optimizer FBGEMM cannot run on the device)."""
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class KernelThroughput:
+    """How fast one compute kernel moves bytes.
+
+    Args:
+        fwd_bytes_per_s: forward lookup: bytes of rows read plus pooled output written, per
+            second.
+        bwd_bytes_per_s: backward with the fused update: twice the forward's bytes (plus
+            optimizer state bytes) per second, as FBGEMM's own benchmark counts it.
+    """
+
+    fwd_bytes_per_s: float
+    bwd_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_positive(f"KernelThroughput.{f.name}", getattr(self, f.name))
+            object.__setattr__(self, f.name, float(getattr(self, f.name)))
+
+    def to_dict(self) -> dict[str, float]:
+        """The two throughputs as a JSON-ready dict."""
+        return {"fwd_bytes_per_s": self.fwd_bytes_per_s, "bwd_bytes_per_s": self.bwd_bytes_per_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], what: str = "kernel") -> KernelThroughput:
+        """Inverse of ``to_dict``."""
+        _check_keys(data, ("fwd_bytes_per_s", "bwd_bytes_per_s"), f"topology {what}")
+        try:
+            return cls(data["fwd_bytes_per_s"], data["bwd_bytes_per_s"])
+        except KeyError as e:
+            raise ValueError(f"topology {what} lacks field {e.args[0]!r}") from None
+
+
+def _check_positive(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _check_keys(data: Any, allowed: tuple[str, ...], what: str) -> None:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{what} must be a mapping, got {data!r}")
+    unknown = sorted(str(k) for k in data if k not in allowed)
+    if unknown:
+        raise ValueError(f"{what} has unknown field(s) {unknown}; known: {sorted(allowed)}")
+
+
+def _kernel_key(key: ComputeKernel | str) -> str:
+    if isinstance(key, ComputeKernel):
+        return key.value
+    if key == SPARSE_UPDATE:
+        return key
+    return ComputeKernel.parse(key, what="topology kernels").value
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks, memory and speeds of the machine(s) a plan is made for.
+
+    Args:
+        world_size: number of ranks.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+        local_world_size: ranks per node (default: ``world_size``, one node); must divide
+            ``world_size``.
+        memory_per_rank: bytes of compute-device memory each rank may use (on the CPU, its
+            share of the host's memory).
+        host_memory_per_rank: on CUDA, bytes of host memory per rank for UVM tables (ignored
+            on the CPU, where everything is host memory).
+        memory_bw: memory bandwidth of one rank (read + write), bytes/s.
+        intra_node_bw: collective bandwidth between ranks of one node (sent + received bytes
+            per second per rank).
+        inter_node_bw: the same across nodes.
+        reduce_scatter_bw: bandwidth of the reduce-scatter / all-gather within a node, when it
+            differs from ``intra_node_bw`` (measured separately by the calibration).
+        collective_latency_s: fixed cost of one collective call.
+        kernels: throughput per compute kernel value (``"fused"``, ``"dense"``...) and for
+            :data:`SPARSE_UPDATE`; a kernel missing here falls back to ``"fused"``.
+        source: where the numbers come from (``"defaults"``, or the calibration's host/date).
+    """
+
+    world_size: int
+    compute_device: str = "cpu"
+    local_world_size: int | None = None
+    memory_per_rank: int = 16 * _GIB
+    host_memory_per_rank: int = 0
+    memory_bw: float = 11e9
+    intra_node_bw: float = 2e9
+    inter_node_bw: float = 1e9
+    reduce_scatter_bw: float | None = None
+    collective_latency_s: float = 2e-4
+    kernels: Mapping[str, KernelThroughput] = field(
+        default_factory=lambda: MappingProxyType(dict(_CPU_KERNELS)), hash=False
+    )
+    source: str = "defaults"
+
+    def __post_init__(self) -> None:
+        ws = self.world_size
+        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+            raise ValueError(f"Topology.world_size must be a positive int, got {ws!r}")
+        local = ws if self.local_world_size is None else self.local_world_size
+        if isinstance(local, bool) or not isinstance(local, int) or local < 1 or ws % local:
+            raise ValueError(
+                f"Topology.local_world_size must be a positive int dividing world_size {ws} "
+                f"(ranks per node), got {self.local_world_size!r}"
+            )
+        object.__setattr__(self, "local_world_size", local)
+        if self.compute_device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"Topology.compute_device must be 'cpu' or 'cuda', got {self.compute_device!r}"
+            )
+        for name in ("memory_per_rank", "host_memory_per_rank"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Topology.{name} must be a non-negative int, got {value!r}")
+            object.__setattr__(self, name, value)
+        if self.memory_per_rank == 0:
+            raise ValueError("Topology.memory_per_rank must be positive")
+        for name in ("memory_bw", "intra_node_bw", "inter_node_bw", "collective_latency_s"):
+            if name == "collective_latency_s" and self.collective_latency_s == 0:
+                continue
+            _check_positive(f"Topology.{name}", getattr(self, name))
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.reduce_scatter_bw is not None:
+            _check_positive("Topology.reduce_scatter_bw", self.reduce_scatter_bw)
+            object.__setattr__(self, "reduce_scatter_bw", float(self.reduce_scatter_bw))
+        if not isinstance(self.kernels, Mapping):
+            raise TypeError(f"Topology.kernels must be a mapping, got {self.kernels!r}")
+        kernels: dict[str, KernelThroughput] = {}
+        for key, value in self.kernels.items():
+            k = _kernel_key(key)
+            if isinstance(value, Mapping):
+                value = KernelThroughput.from_dict(value, what=f"kernel {k!r}")
+            if not isinstance(value, KernelThroughput):
+                raise TypeError(
+                    f"Topology.kernels[{k!r}] must be a KernelThroughput, got {value!r}"
+                )
+            kernels[k] = value
+        if ComputeKernel.FUSED.value not in kernels:
+            raise ValueError(
+                "Topology.kernels needs an entry for 'fused' (the fallback of every kernel)"
+            )
+        object.__setattr__(self, "kernels", MappingProxyType(kernels))
+        if not isinstance(self.source, str):
+            raise TypeError(f"Topology.source must be a str, got {self.source!r}")
+
+    # -- derived ---------------------------------------------------------------------------
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks per node (``local_world_size`` resolved)."""
+        assert self.local_world_size is not None  # resolved at construction
+        return self.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes."""
+        return self.world_size // self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The ranks of ``node``, in order."""
+        m = self.ranks_per_node
+        return list(range(node * m, (node + 1) * m))
+
+    @property
+    def within_node_reduce_bw(self) -> float:
+        """Bandwidth of reduce-scatter / all-gather within a node."""
+        return self.reduce_scatter_bw or self.intra_node_bw
+
+    def throughput(self, kernel: ComputeKernel | str) -> KernelThroughput:
+        """The throughput of ``kernel`` (``"fused"``'s when it was not measured)."""
+        key = _kernel_key(kernel)
+        if key == ComputeKernel.DEFAULT.value:
+            key = ComputeKernel.FUSED.value
+        return self.kernels.get(key) or self.kernels[ComputeKernel.FUSED.value]
+
+    def with_world(self, world_size: int, local_world_size: int | None = None) -> Topology:
+        """The same machine speeds for another number of ranks.
+
+        Args:
+            world_size: the new number of ranks.
+            local_world_size: ranks per node (default: ``world_size``, one node).
+        """
+        return replace(self, world_size=world_size, local_world_size=local_world_size)
+
+    # -- serialisation ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with a format ``"version"``."""
+        out: dict[str, Any] = {"version": TOPOLOGY_FORMAT_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = (
+                {k: v.to_dict() for k, v in sorted(value.items())} if f.name == "kernels" else value
+            )
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Topology:
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: unknown fields, a missing or newer ``version``, invalid values.
+        """
+        names = tuple(f.name for f in fields(cls))
+        _check_keys(data, ("version", *names), "topology")
+        version = data.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(
+                f"topology has no valid 'version' (got {version!r}); write it with "
+                "Topology.save or `embshard calibrate`"
+            )
+        if version > TOPOLOGY_FORMAT_VERSION:
+            raise ValueError(
+                f"topology format version {version} is newer than this embshard-dist reads "
+                f"({TOPOLOGY_FORMAT_VERSION}); upgrade embshard-dist"
+            )
+        if "world_size" not in data:
+            raise ValueError("topology lacks field 'world_size'")
+        kwargs = {k: v for k, v in data.items() if k != "version"}
+        return cls(**kwargs)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the topology as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        world_size: int | None = None,
+        local_world_size: int | None = None,
+    ) -> Topology:
+        """Read a topology file, optionally for another number of ranks.
+
+        Args:
+            path: the JSON file (``Topology.save`` / ``embshard calibrate``).
+            world_size: override the file's world size (the machine's speeds stay).
+            local_world_size: ranks per node with ``world_size`` (default: one node).
+
+        Raises:
+            ValueError: the file is not valid JSON or not a topology (the message names it).
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"topology file {str(path)!r} is not valid JSON: {e}") from e
+        try:
+            topo = cls.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"topology file {str(path)!r}: {e}") from e
+        if world_size is not None:
+            topo = topo.with_world(world_size, local_world_size)
+        return topo
+
+
+_CPU_KERNELS: dict[str, KernelThroughput] = {
+    # Measured on the 2-core reference host (see shared/benchmarks.md, K1): FBGEMM's CPU TBE
+    # forward runs at ~45% of the ~11 GB/s copy bandwidth; backward + fused update at ~16%.
+    ComputeKernel.FUSED.value: KernelThroughput(5.0e9, 1.8e9),
+    ComputeKernel.DENSE.value: KernelThroughput(5.0e9, 1.2e9),
+    ComputeKernel.QUANT.value: KernelThroughput(4.0e9, 1.0e9),
+    SPARSE_UPDATE: KernelThroughput(1.5e9, 0.45e9),
+}
+
+_CUDA_KERNELS: dict[str, KernelThroughput] = {
+    # Typical figures of a current datacentre GPU (HBM ~3 TB/s); calibrate to replace them.
+    ComputeKernel.FUSED.value: KernelThroughput(1.2e12, 5.0e11),
+    ComputeKernel.DENSE.value: KernelThroughput(1.2e12, 3.0e11),
+    ComputeKernel.FUSED_UVM.value: KernelThroughput(2.5e10, 1.2e10),
+    ComputeKernel.FUSED_UVM_CACHING.value: KernelThroughput(3.0e11, 1.2e11),
+    ComputeKernel.KEY_VALUE.value: KernelThroughput(5.0e9, 2.5e9),
+    ComputeKernel.QUANT.value: KernelThroughput(1.0e12, 5.0e11),
+    SPARSE_UPDATE: KernelThroughput(3.0e11, 1.0e11),
+}
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * _GIB
+
+
+def default_topology(
+    world_size: int,
+    *,
+    compute_device: str = "cpu",
+    local_world_size: int | None = None,
+    memory_per_rank: int | None = None,
+) -> Topology:
+    """The fallback topology when no calibration file is given.
+
+    On the CPU every rank of a node shares the host's memory (read from the OS) and the speeds
+    are those measured once on the 2-core reference host. On CUDA the device memory is read from
+    the first GPU when one is visible (80 GiB otherwise), host memory is shared as on the CPU,
+    and the speeds are typical of a current GPU with NVLink within a node.
+
+    Args:
+        world_size: number of ranks.
+        compute_device: ``"cpu"`` or ``"cuda"``.
+        local_world_size: ranks per node (default: ``world_size``).
+        memory_per_rank: override the memory each rank may use.
+    """
+    local = world_size if local_world_size is None else local_world_size
+    host_share = _host_memory_bytes() // max(1, local if isinstance(local, int) else 1)
+    if compute_device == "cuda":
+        device_memory = memory_per_rank or _cuda_memory_bytes()
+        return Topology(
+            world_size=world_size,
+            compute_device="cuda",
+            local_world_size=local_world_size,
+            memory_per_rank=device_memory,
+            host_memory_per_rank=host_share,
+            memory_bw=3.0e12,
+            intra_node_bw=2.0e11,
+            inter_node_bw=2.5e10,
+            collective_latency_s=3e-5,
+            kernels=MappingProxyType(dict(_CUDA_KERNELS)),
+            source="defaults (typical GPU)",
+        )
+    return Topology(
+        world_size=world_size,
+        compute_device=compute_device,
+        local_world_size=local_world_size,
+        memory_per_rank=memory_per_rank or host_share,
+        source="defaults (2-core CPU reference host)",
+    )
+
+
+def _cuda_memory_bytes() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return 80 * _GIB

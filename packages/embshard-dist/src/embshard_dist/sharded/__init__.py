@@ -1,0 +1,1 @@
+"""Sharded modules: the model-parallel forms of embshard's collections (import modules by path)."""

@@ -1,0 +1,88 @@
+"""The per-step context of a sharded embedding-bag collection, and the awaitables of its flow.
+
+Guarantees: :class:`FeaturesAwaitable` waits for every strategy's features in strategy order
+(each strategy's collectives were already started in that order on every rank);
+:class:`KeyedTensorAwaitable` waits for every output dist, concatenates the columns and puts
+them in the caller's key order with one ``index_select`` (skipped when already in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from embshard_dist.sharding.base import ShardingStepContext
+from embshard_types.awaitables import Awaitable, LazyAwaitable, LazyGetItemMixin
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.keyed_tensor import KeyedTensor
+
+
+@dataclass
+class EmbeddingBagCollectionContext:
+    """What one step carries from input dist to output dist: one context per strategy."""
+
+    sharding_contexts: list[ShardingStepContext] = field(default_factory=list)
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Mark the held tensors as used on ``stream``."""
+        for ctx in self.sharding_contexts:
+            ctx.record_stream(stream)
+
+
+class FeaturesAwaitable(Awaitable[Awaitable[list[KeyedJaggedTensor]]]):
+    """Every strategy's two-phase feature all-to-all, waited for together.
+
+    Args:
+        started: per strategy, its input dist's awaitable.
+    """
+
+    def __init__(self, started: Sequence[Awaitable[Awaitable[KeyedJaggedTensor]]]) -> None:
+        super().__init__()
+        self._started = list(started)
+
+    def _wait_impl(self) -> Awaitable[list[KeyedJaggedTensor]]:
+        return _TensorsAwaitable([a.wait() for a in self._started])
+
+
+class _TensorsAwaitable(Awaitable[list[KeyedJaggedTensor]]):
+    def __init__(self, pending: list[Awaitable[KeyedJaggedTensor]]) -> None:
+        super().__init__()
+        self._pending = pending
+
+    def _wait_impl(self) -> list[KeyedJaggedTensor]:
+        return [a.wait() for a in self._pending]
+
+
+class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTensor]):
+    """The pooled embeddings of every feature, in the caller's key order.
+
+    Args:
+        pending: per strategy, its output dist's awaitable ``[batch, its dims]``.
+        keys: the output keys (the collection's features, in config order).
+        dims: their widths.
+        columns: output column ``j`` is column ``columns[j]`` of the strategies' outputs
+            side by side (``None``: already in order).
+    """
+
+    def __init__(
+        self,
+        pending: Sequence[Awaitable[Tensor]],
+        keys: list[str],
+        dims: list[int],
+        columns: Tensor | None,
+    ) -> None:
+        super().__init__()
+        self._pending = list(pending)
+        self._keys = keys
+        self._dims = dims
+        self._columns = columns
+
+    def _wait_impl(self) -> KeyedTensor:
+        parts = [a.wait() for a in self._pending]
+        values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if self._columns is not None:
+            values = values.index_select(1, self._columns.to(values.device))
+        return KeyedTensor(self._keys, self._dims, values)

@@ -1,0 +1,380 @@
+"""ShardedEmbeddingBagCollection: an EmbeddingBagCollection whose tables are spread over ranks.
+
+Each table is sharded as its plan entry says; tables of one sharding type are served by one
+strategy of :mod:`embshard_dist.sharding` (``dp``, ``tw``, ``rw``, ``cw``). A step is::
+
+    forward(kjt)                       # the caller's local batch
+      input_dist(ctx, kjt)             # every strategy starts routing its features
+      compute(ctx, features)           # every strategy looks up its local shards
+      output_dist(ctx, pooled)         # every strategy sends pooled rows back
+      -> LazyAwaitable[KeyedTensor]    # keys: the collection's features, in config order
+
+The math follows one rule (see :mod:`embshard_dist.sharding.base`): with N ranks and local losses
+``L_i``, a step leaves weights and optimizer state equal to the unsharded module's stepped on the
+global batch with loss ``(1/N) * sum_i L_i``.
+
+State: ``state_dict()`` holds ``embedding_bags.{table}.weight`` for every table on every rank:
+a ``ShardedTensor`` (``DTensor`` when the environment asks for DTensors) over the local shard
+for table-, row- and column-wise tables, the plain tensor for data-parallel ones;
+``load_state_dict`` copies into the local shards (see :mod:`.state`). ``named_parameters()``
+yields the local shards (``embedding_bags.{table}.weight``, live views of the kernels'
+weights). ``fused_optimizer`` combines the kernels' fused optimizers: parameters
+``embedding_bags.{table}.weight``, state ``{table}.momentum1``... exposed like the weights.
+
+Initial weights: copied from the unsharded module when it is materialised; drawn
+deterministically per table otherwise (see :mod:`.init`). Guarantees: the plan is checked
+before anything is built or any rank is contacted (:mod:`embshard_dist.sharders.plan_checks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from embshard_dist.sharded.context import (
+    EmbeddingBagCollectionContext,
+    FeaturesAwaitable,
+    KeyedTensorAwaitable,
+)
+from embshard_dist.sharded.init import draw_shard, is_materialised
+from embshard_dist.sharded.state import check_entry, local_part, table_state_entry
+from embshard_dist.sharders.plan_checks import check_plan, table_specs
+from embshard_dist.sharding._lookup import GroupedBagLookup
+from embshard_dist.sharding.base import (
+    BagTable,
+    EmbeddingBagSharding,
+    ShardingOptions,
+    ShardingStepContext,
+)
+from embshard_dist.sharding.cw import CwSharding
+from embshard_dist.sharding.dp import DpSharding
+from embshard_dist.sharding.rw import RwSharding
+from embshard_dist.sharding.tw import TwSharding
+from embshard_kernels.collections import EmbeddingBagCollection
+from embshard_kernels.fbgemm_mapping import data_type_to_dtype
+from embshard_kernels.fused_params import FusedParams
+from embshard_kernels.slices import TableWeight
+from embshard_optim.combined import CombinedOptimizer
+from embshard_optim.fused import EmptyFusedOptimizer
+from embshard_optim.keyed import KeyedOptimizer
+from embshard_optim.sharded_state import StateFormat, make_mesh
+from embshard_optim.specs import OptimizerSpec
+from embshard_types.awaitables import Awaitable, LazyAwaitable
+from embshard_types.comm_codec import QuantizedCommCodecs
+from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.env import ShardingEnv, ShardingEnv2D
+from embshard_types.interfaces import ShardedModule
+from embshard_types.plan import EmbeddingModuleShardingPlan
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.keyed_tensor import KeyedTensor
+from embshard_types.vocab import ComputeKernel, ShardingType
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+STRATEGIES: dict[ShardingType, type] = {
+    ShardingType.DATA_PARALLEL: DpSharding,
+    ShardingType.TABLE_WISE: TwSharding,
+    ShardingType.ROW_WISE: RwSharding,
+    ShardingType.COLUMN_WISE: CwSharding,
+}
+"""The strategy class serving each supported sharding type."""
+
+SUPPORTED_KERNELS: dict[ShardingType, tuple[ComputeKernel, ...]] = {
+    ShardingType.DATA_PARALLEL: (ComputeKernel.FUSED,),
+    ShardingType.TABLE_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
+    ShardingType.ROW_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
+    ShardingType.COLUMN_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
+}
+"""Compute kernels each strategy runs on the CPU (CUDA adds the UVM fused kernels)."""
+
+_CUDA_ONLY = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
+
+
+def supported_kernels(sharding_type: ShardingType, device_type: str) -> list[ComputeKernel]:
+    """The compute kernels a strategy runs on ``device_type``."""
+    kernels = list(SUPPORTED_KERNELS.get(sharding_type, ()))
+    if device_type == "cuda" and ComputeKernel.FUSED in kernels:
+        kernels[1:1] = _CUDA_ONLY
+    return kernels
+
+
+class ShardedEmbeddingBagCollection(
+    ShardedModule[list[KeyedJaggedTensor], list[Tensor], KeyedTensor, EmbeddingBagCollectionContext]
+):
+    """An EmbeddingBagCollection sharded over the ranks of ``env`` (see the module docstring).
+
+    Args:
+        module: the unsharded collection (materialised: weights are copied; on ``meta``: they
+            are drawn deterministically).
+        plan: how each of its tables is sharded.
+        env: the ranks to shard over (its process group carries the collectives).
+        device: this rank's compute device.
+        optimizer: the fused optimizer; default: that of ``fused_params`` if given, else the
+            one ``module`` was built with, else FBGEMM's default (SGD, lr 0.01).
+        fused_params: fused-kernel options (output dtype, bounds check, cache).
+        qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value.
+        path: the module's path in the model, for messages.
+
+    Raises:
+        ValueError / TypeError: the plan does not fit the module, world or device (every rank
+            raises the same error before any collective).
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        plan: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | str | None = None,
+        *,
+        optimizer: OptimizerSpec | None = None,
+        fused_params: FusedParams | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        path: str = "",
+    ) -> None:
+        super().__init__(qcomm_codecs_registry)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        configs = module.embedding_bag_configs()
+        check_plan(
+            configs,
+            plan,
+            env.world_size,
+            dev.type,
+            path=path,
+            sharding_types=list(STRATEGIES),
+            compute_kernels=lambda kind: supported_kernels(kind, dev.type),
+        )
+        self._env = env
+        self._device = dev
+        self._plan = plan
+        self._configs = configs
+        self._is_weighted = module.is_weighted()
+        self._format = StateFormat.DTENSOR if env.output_dtensor else StateFormat.SHARDED_TENSOR
+        # A 2-D environment shards within its sharding group (its process_group is global).
+        self._pg = env.sharding_pg if isinstance(env, ShardingEnv2D) else env.process_group
+        options = ShardingOptions(
+            device=dev,
+            pg=self._pg,
+            fused_params=_fused_params(module, optimizer, fused_params),
+            is_weighted=self._is_weighted,
+            state_format=self._format,
+            world_size=env.world_size,
+            rank=env.rank,
+            qcomm_codecs_registry=dict(self.qcomm_codecs_registry),
+        )
+        self._tables = {
+            c.name: BagTable(
+                c, plan[c.name], table_specs(c, plan[c.name], env.world_size, dev.type)
+            )
+            for c in configs
+        }
+        self._shardings: list[EmbeddingBagSharding] = []
+        for kind in dict.fromkeys(plan[c.name].sharding_type for c in configs):
+            mine = [t for t in self._tables.values() if t.sharding.sharding_type is kind]
+            self._shardings.append(STRATEGIES[kind](mine, options))
+        # The three stages of the flow, one module per strategy. They are kept out of the
+        # module tree: the local weights are registered once, under ``embedding_bags``.
+        self._input_dists = [s.create_input_dist() for s in self._shardings]
+        self._lookups: list[GroupedBagLookup] = [s.create_lookup() for s in self._shardings]
+        self._output_dists = [s.create_output_dist() for s in self._shardings]
+
+        local = {name: w for lookup in self._lookups for name, w in lookup.local_weights().items()}
+        self._local = local
+        _fill_weights(module, self._tables, local)
+        self.embedding_bags = nn.ModuleDict(
+            {c.name: TableWeight(local[c.name][0]) for c in configs if c.name in local}
+        )
+        self._keys = [f for c in configs for f in c.feature_names]
+        dims = {f: c.embedding_dim for c in configs for f in c.feature_names}
+        self._dims = [dims[f] for f in self._keys]
+        self._columns = _column_index(self._shardings, self._keys, dims)
+        self._fused_optim = _combine([o for lk in self._lookups for o in lk.fused_optimizers()])
+        self._mesh: DeviceMesh | None = None
+        self.register_state_dict_post_hook(_save_tables)
+        self.register_load_state_dict_pre_hook(_load_tables)
+
+    # -- the flow ---------------------------------------------------------------------------
+
+    def create_context(self) -> EmbeddingBagCollectionContext:
+        return EmbeddingBagCollectionContext([ShardingStepContext() for _ in self._shardings])
+
+    def input_dist(
+        self, ctx: EmbeddingBagCollectionContext, *input: Any, **kwargs: Any
+    ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
+        """Start routing every strategy's features (in strategy order, on every rank).
+
+        Args:
+            ctx: the step's context.
+            *input: the caller's ``KeyedJaggedTensor`` (local batch; extra features ignored).
+        """
+        (features,) = input
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(
+                f"ShardedEmbeddingBagCollection takes a KeyedJaggedTensor, got "
+                f"{type(features).__name__}"
+            )
+        return FeaturesAwaitable(
+            [
+                dist(features, sctx)
+                for dist, sctx in zip(self._input_dists, ctx.sharding_contexts, strict=True)
+            ]
+        )
+
+    def compute(
+        self, ctx: EmbeddingBagCollectionContext, dist_input: list[KeyedJaggedTensor]
+    ) -> list[Tensor]:
+        """Every strategy's lookup of its local shards."""
+        return [lookup(kjt) for lookup, kjt in zip(self._lookups, dist_input, strict=True)]
+
+    def output_dist(
+        self, ctx: EmbeddingBagCollectionContext, output: list[Tensor]
+    ) -> LazyAwaitable[KeyedTensor]:
+        """Start every strategy's output dist; the result waits for them on first use."""
+        pending = [
+            dist(embeddings, sctx)
+            for dist, embeddings, sctx in zip(
+                self._output_dists, output, ctx.sharding_contexts, strict=True
+            )
+        ]
+        return KeyedTensorAwaitable(pending, self._keys, self._dims, self._columns)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def unsharded_module_type(self) -> type[nn.Module]:
+        return EmbeddingBagCollection
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The fused optimizers of every local kernel, as one keyed optimizer."""
+        return self._fused_optim
+
+    @property
+    def plan(self) -> EmbeddingModuleShardingPlan:
+        return self._plan
+
+    @property
+    def shardings(self) -> list[EmbeddingBagSharding]:
+        """The strategies, in the order their collectives run."""
+        return list(self._shardings)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The unsharded collection's table configs."""
+        return list(self._configs)
+
+    def is_weighted(self) -> bool:
+        """Whether the features carry per-id weights."""
+        return self._is_weighted
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _table_entry(self, name: str) -> Tensor:
+        table = self._tables[name]
+        local = self._local.get(name)
+        if table.specs is None:
+            assert local is not None
+            return local[0].detach()
+        pieces = [] if local is None else [(local[0].detach(), local[1])]
+        cfg = table.config
+        if self._format is StateFormat.DTENSOR and self._mesh is None:
+            self._mesh = make_mesh(self._pg, self._device.type)
+        return table_state_entry(
+            pieces,
+            table.specs,
+            (cfg.num_embeddings, cfg.embedding_dim),
+            data_type_to_dtype(cfg.data_type),
+            fmt=self._format,
+            pg=self._pg,
+            mesh=self._mesh,
+        )
+
+
+def _save_tables(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict post hook: every table's entry, sharded (see the module docstring)."""
+    assert isinstance(module, ShardedEmbeddingBagCollection)
+    for name in module._tables:
+        state_dict[f"{prefix}embedding_bags.{name}.weight"] = module._table_entry(name)
+
+
+def _load_tables(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load pre hook: replace every table's entry by the part of it the local shard holds."""
+    assert isinstance(module, ShardedEmbeddingBagCollection)
+    for name, table in module._tables.items():
+        key = f"{prefix}embedding_bags.{name}.weight"
+        if key not in state_dict:
+            if name not in module._local:
+                missing_keys.append(key)
+            continue
+        local = module._local.get(name)
+        value = state_dict.pop(key)
+        cfg = table.config
+        size = (cfg.num_embeddings, cfg.embedding_dim)
+        if local is None:
+            check_entry(value, size, name)
+        else:
+            state_dict[key] = local_part(value, local[1], size, name)
+
+
+def _fused_params(
+    module: EmbeddingBagCollection, optimizer: OptimizerSpec | None, given: FusedParams | None
+) -> FusedParams:
+    """The sharded kernels' options: ``given`` or the module's own, with ``optimizer`` set."""
+    # The unsharded collection keeps its kernels' options per table (all tables share them).
+    own = [t.fused_params for t in getattr(module, "_tables", ()) if t.fused_params is not None]
+    params = given or (own[0] if own else FusedParams())
+    return params if optimizer is None else replace(params, optimizer=optimizer)
+
+
+def _fill_weights(
+    module: EmbeddingBagCollection,
+    tables: Mapping[str, BagTable],
+    local: Mapping[str, tuple[nn.Parameter, Any]],
+) -> None:
+    """Copy the module's weights into the local shards, or draw them (see :mod:`.init`)."""
+    source = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, (weight, spec) in local.items():
+            full = source.get(f"embedding_bags.{name}.weight")
+            if full is not None and is_materialised(full):
+                (r0, c0), (nr, nc) = spec.offsets, spec.sizes
+                weight.copy_(full.detach()[r0 : r0 + nr, c0 : c0 + nc])
+            else:
+                weight.copy_(draw_shard(tables[name].config, spec, weight.dtype))
+
+
+def _column_index(
+    shardings: list[EmbeddingBagSharding], keys: list[str], dims: Mapping[str, int]
+) -> Tensor | None:
+    """Columns of the strategies' outputs side by side, in the caller's key order."""
+    start: dict[str, int] = {}
+    at = 0
+    for sharding in shardings:
+        for feature, dim in zip(sharding.feature_names(), sharding.embedding_dims(), strict=True):
+            start[feature] = at
+            at += dim
+    columns = [start[f] + j for f in keys for j in range(dims[f])]
+    if columns == list(range(len(columns))):
+        return None
+    return torch.tensor(columns, dtype=torch.long)
+
+
+def _combine(optimizers: list[KeyedOptimizer]) -> KeyedOptimizer:
+    if not optimizers:
+        return EmptyFusedOptimizer()
+    return CombinedOptimizer([("embedding_bags", o) for o in optimizers])

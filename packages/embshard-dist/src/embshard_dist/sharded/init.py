@@ -1,0 +1,55 @@
+"""Filling the local shards of a freshly sharded collection: copied, or drawn deterministically.
+
+When the unsharded module is materialised its weights are copied (each rank copies its rows and
+columns). When it lives on the meta device each table is drawn uniformly from its
+``init_range`` in blocks of :data:`ROWS_PER_DRAW` rows, block ``k`` of table ``t`` from a
+generator seeded with ``crc32("t:k")``.
+
+Guarantees: the drawn weights depend only on the table's name, shape and init range: every rank,
+every plan and every world size gets the same values for the same row (so data-parallel
+replicas agree and a re-planned model starts identically); a rank draws only the row blocks its
+shard overlaps; torch's global random state is neither used nor changed.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import Tensor
+
+from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.shard_spec import ShardSpec
+
+ROWS_PER_DRAW = 4096
+"""Rows drawn from one generator (the unit of deterministic initialisation)."""
+
+
+def draw_shard(config: EmbeddingBagConfig, spec: ShardSpec, dtype: torch.dtype) -> Tensor:
+    """The initial values of one shard of a table (see the module docstring).
+
+    Args:
+        config: the table.
+        spec: the shard (2-D offsets and sizes).
+        dtype: the dtype of the result.
+    """
+    (r0, c0), (nr, nc) = spec.offsets, spec.sizes
+    low, high = config.weight_init_min, config.weight_init_max
+    blocks = []
+    first, last = r0 // ROWS_PER_DRAW, (r0 + nr - 1) // ROWS_PER_DRAW
+    for block in range(first, last + 1) if nr else ():
+        start = block * ROWS_PER_DRAW
+        rows = min(ROWS_PER_DRAW, config.num_embeddings - start)
+        seed = zlib.crc32(f"{config.name}:{block}".encode())
+        generator = torch.Generator().manual_seed(seed)
+        values = torch.empty(rows, config.embedding_dim).uniform_(low, high, generator=generator)
+        lo, hi = max(r0, start) - start, min(r0 + nr, start + rows) - start
+        blocks.append(values[lo:hi, c0 : c0 + nc])
+    if not blocks:
+        return torch.empty(nr, nc, dtype=dtype)
+    return torch.cat(blocks).to(dtype)
+
+
+def is_materialised(weight: Tensor) -> bool:
+    """Whether ``weight`` holds values (not a meta tensor)."""
+    return weight.device.type != "meta"

@@ -1,0 +1,190 @@
+"""Column-wise sharding: each table's columns are cut into blocks, each placed like a table.
+
+Flow: the input dist sends every feature to each rank holding a column block of its table (one
+permutation of the caller's KJT, a feature repeated per block, then a KJT all-to-all); each rank
+pools its blocks for the global batch; the output dist divides the gradient by the world size,
+returns each rank's rows with a pooled-embeddings all-to-all and puts every feature's blocks back
+side by side (one ``index_select``).
+
+Math: pooling (SUM or MEAN) acts column by column, so the forward is exact, and so are
+point-wise optimizers (SGD, Adagrad, Adam: each element's update sees only its own gradient).
+Row-wise optimizer statistics (RowWiseAdagrad's mean of g² over the row, partial row-wise Adam's
+and LAMB's second moment, LAMB's and LARS's row norms) must cover the full row: the blocks'
+kernels then run embshard's torch update with a
+:class:`~embshard_optim.sparse_rules.base.RowReduction` whose ``row_sum`` gathers the per-row partial
+sums of the table's blocks (one process group per table, over its blocks' ranks) and adds them
+in rank order, so every block applies the unsharded row-wise update (TorchRec keeps per-block
+statistics instead, and trains such tables differently from unsharded).
+
+Deadlock freedom of those per-table collectives: each table gets its own kernel and a rank runs
+its kernels' forwards in table order, so their backward passes (all made ready by one
+concatenation) run in reverse table order on every rank: a single global order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from embshard_dist.comm.timeouts import issue
+from embshard_dist.sharding._lookup import GroupedBagLookup, kernel_feature_order
+from embshard_dist.sharding._route import PooledOutputDist, RoutedInputDist
+from embshard_dist.sharding.base import BagTable, ShardingOptions, shard_config
+from embshard_kernels.grouping import ShardedTableConfig
+from embshard_optim.sparse_rules.base import RowReduction
+from embshard_optim.specs import OptimType
+from embshard_types.shard_spec import ShardSpec
+from embshard_types.vocab import CommOp, ComputeKernel, ShardingType
+
+ROW_WISE_OPTIMIZERS = frozenset(
+    {
+        OptimType.ROWWISE_ADAGRAD,
+        OptimType.PARTIAL_ROWWISE_ADAM,
+        OptimType.LAMB,
+        OptimType.PARTIAL_ROWWISE_LAMB,
+        OptimType.LARS_SGD,
+    }
+)
+"""Optimizers whose update uses statistics over a whole row."""
+
+
+class ColumnRowSum:
+    """``RowReduction.row_sum`` of one table: gathers its blocks' partial sums, adds in order.
+
+    Args:
+        group: the process group of the ranks holding the table's blocks.
+        table: the table's name, for errors.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, table: str) -> None:
+        self._group = group
+        self._size = dist.get_world_size(group)
+        self._name = f"column_wise_row_sums.{table}"
+
+    def __call__(self, partial: Tensor) -> Tensor:
+        local = partial.contiguous()
+        gathered = local.new_empty((self._size * local.shape[0], *local.shape[1:]))
+        issue(
+            self._name,
+            lambda: dist.all_gather_single(gathered, local, group=self._group, async_op=True),
+            group=self._group,
+            device=local.device,
+        ).wait()
+        parts = gathered.view(self._size, *local.shape)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
+
+
+class CwSharding:
+    """Column-wise sharding of ``tables`` (blocks spanning all rows, one per rank at most).
+
+    Args:
+        tables: the column-wise tables, in the collection's order.
+        options: where to run and how to build kernels.
+    """
+
+    sharding_type = ShardingType.COLUMN_WISE
+
+    def __init__(self, tables: Sequence[BagTable], options: ShardingOptions) -> None:
+        self._tables = list(tables)
+        self._options = options
+        self._row_wise = options.fused_params.optimizer.optim_type in ROW_WISE_OPTIMIZERS
+        per_rank: list[list[ShardedTableConfig]] = [[] for _ in range(options.world_size)]
+        for table in self._tables:
+            for spec in sorted(table.specs or (), key=lambda s: s.offsets[1]):
+                per_rank[spec.rank].append(shard_config(table, spec, options))
+        self._per_rank = per_rank
+        self._wire = [
+            kernel_feature_order(configs, one_table_per_kernel=self._row_wise)
+            for configs in per_rank
+        ]
+        self._by_feature = {f: t for t in self._tables for f in t.config.feature_names}
+        # Process groups are made by every rank, in table order, whether it joins or not.
+        self._groups = {
+            t.name: _new_group(options.pg, sorted(s.rank for s in t.specs or ()))
+            for t in self._tables
+            if self._needs_row_sums(t)
+        }
+
+    def _needs_row_sums(self, table: BagTable) -> bool:
+        return (
+            self._row_wise
+            and len(table.specs or ()) > 1
+            and table.compute_kernel is not ComputeKernel.DENSE
+        )
+
+    def feature_names(self) -> list[str]:
+        """Features in output order (the collection's order)."""
+        return [f for t in self._tables for f in t.config.feature_names]
+
+    def embedding_dims(self) -> list[int]:
+        return [self._by_feature[f].config.embedding_dim for f in self.feature_names()]
+
+    def shard_specs(self) -> dict[str, list[ShardSpec]]:
+        return {t.name: list(t.specs or ()) for t in self._tables}
+
+    def create_input_dist(self) -> nn.Module:
+        return RoutedInputDist(
+            self._options.pg,
+            self._wire,
+            {f: t.name for f, t in self._by_feature.items()},
+            is_weighted=self._options.is_weighted,
+        )
+
+    def create_lookup(self) -> GroupedBagLookup:
+        configs = self._per_rank[self._options.rank]
+        if not self._row_wise:
+            return GroupedBagLookup(configs, self._options)
+        lookup = GroupedBagLookup(
+            configs, self._options, backend="torch", one_table_per_kernel=True
+        )
+        for group, tbe in lookup.torch_tbes():
+            reductions: list[RowReduction | None] = []
+            for table in group.embedding_tables:
+                pg = self._groups.get(table.name)
+                reductions.append(
+                    None
+                    if pg is None
+                    else RowReduction(ColumnRowSum(pg, table.name), table.embedding_dim)
+                )
+            tbe.row_reductions = reductions
+        return lookup
+
+    def create_output_dist(self) -> nn.Module:
+        return PooledOutputDist(
+            self._options.pg,
+            [sum(c.cols * c.num_features for c in configs) for configs in self._per_rank],
+            columns=self._columns(),
+            codecs=self._options.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL),
+        )
+
+    def _columns(self) -> list[int]:
+        """Received column of each output column (every feature's blocks side by side)."""
+        start: dict[tuple[str, int], int] = {}  # (feature, block's first column) -> position
+        at = 0
+        for configs, wire in zip(self._per_rank, self._wire, strict=True):
+            block = {c.name: c for c in configs}
+            for feature in wire:
+                config = block[self._by_feature[feature].name]
+                assert config.local_metadata is not None
+                start[(feature, config.local_metadata.offsets[1])] = at
+                at += config.cols
+        columns: list[int] = []
+        for feature in self.feature_names():
+            table = self._by_feature[feature]
+            for spec in sorted(table.specs or (), key=lambda s: s.offsets[1]):
+                first = start[(feature, spec.offsets[1])]
+                columns.extend(range(first, first + spec.sizes[1]))
+        return columns
+
+
+def _new_group(pg: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
+    """A process group over ``ranks`` of ``pg`` (created collectively by every rank)."""
+    global_ranks = [r if pg is None else dist.get_global_rank(pg, r) for r in ranks]
+    group = dist.new_group(ranks=global_ranks)
+    assert group is not None
+    return group

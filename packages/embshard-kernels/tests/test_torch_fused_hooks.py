@@ -1,0 +1,78 @@
+"""The update hooks of embshard's torch fused TBE (used by sharded collections).
+
+``grad_exchange`` sees every table's summed row gradients in every backward, even a table the
+batch did not touch, and what it returns is what the optimizer applies; ``row_reductions``
+hands each table's rule a RowReduction (full-row statistics of a column shard).
+"""
+
+from __future__ import annotations
+
+import torch
+from kernel_testing import one_group, table
+from torch import Tensor
+
+from embshard_kernels.fused import BatchedFusedEmbeddingBag
+from embshard_optim.sparse_rules.base import RowReduction
+from embshard_optim.specs import OptimizerSpec
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+
+SPEC = OptimizerSpec.from_name("rowwise_adagrad", lr=0.2)
+
+
+def _kernel(dim: int = 4) -> BatchedFusedEmbeddingBag:
+    config = one_group(table("a", 5, dim, optimizer=SPEC), table("b", 3, dim, optimizer=SPEC))
+    kernel = BatchedFusedEmbeddingBag(config, backend="torch")
+    with torch.no_grad():
+        for i, w in enumerate(kernel.split_embedding_weights()):
+            w.copy_(torch.arange(w.numel(), dtype=torch.float32).view(w.shape) / (10 + i))
+    return kernel
+
+
+def _step(kernel: BatchedFusedEmbeddingBag, scale: float = 1.0) -> None:
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 3, 1]), lengths=torch.tensor([2, 1, 0, 0]))
+    out = kernel(kjt)
+    (out * scale * torch.arange(out.numel()).view(out.shape)).sum().backward()
+
+
+def test_grad_exchange_sees_every_table_and_its_result_is_applied() -> None:
+    doubled = _kernel()
+    calls: list[tuple[int, list[int]]] = []
+
+    def exchange(t: int, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+        calls.append((t, rows.tolist()))
+        return rows, grads * 2
+
+    doubled.emb_module.grad_exchange = exchange
+    _step(doubled)
+    assert calls == [(0, [1, 3]), (1, [])]  # table "b" had no ids, and was still offered
+    reference = _kernel()
+    _step(reference, scale=2.0)
+    for a, b in zip(
+        doubled.split_embedding_weights(), reference.split_embedding_weights(), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
+def test_row_reductions_complete_row_statistics() -> None:
+    # A width-4 shard whose missing columns are a copy of its own (same weights, same
+    # gradients) must update like either half of the whole width-8 table.
+    half, whole = _kernel(4), _kernel(8)
+    reduction = RowReduction(lambda partial: 2 * partial, full_dim=8)
+    half.emb_module.row_reductions = [reduction, reduction]
+    with torch.no_grad():
+        for h, w in zip(
+            half.split_embedding_weights(), whole.split_embedding_weights(), strict=True
+        ):
+            w.copy_(torch.cat([h, h], dim=1))
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 3, 1]), lengths=torch.tensor([2, 1, 0, 0]))
+    grad = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    (half(kjt) * grad).sum().backward()
+    ga, gb = grad[:, :4], grad[:, 4:]
+    (whole(kjt) * torch.cat([ga, ga, gb, gb], dim=1)).sum().backward()
+    for h, w in zip(half.split_embedding_weights(), whole.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(h, w[:, :4], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(h, w[:, 4:], atol=1e-6, rtol=1e-6)
+    for h, w in zip(
+        half.emb_module.get_optimizer_state(), whole.emb_module.get_optimizer_state(), strict=True
+    ):
+        torch.testing.assert_close(h["momentum1"], w["momentum1"], atol=1e-6, rtol=1e-6)
