@@ -27,4 +27,4 @@ uv sync --frozen
 if [[ "${1:-}" == "--setup" ]]; then
     exit 0
 fi
-uv run --frozen embshard info
+uv run --frozen embshard train
