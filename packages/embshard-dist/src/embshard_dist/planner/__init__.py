@@ -2,9 +2,18 @@
 
 Modules (import them by path; this package imports nothing itself):
 
+* ``planner``: ``EmbeddingShardingPlanner``, the cost-based planner: enumerate every option the
+  sharders support on the device (``enumerate``), estimate storage and time per rank from a
+  ``Topology`` (``costs``, ``estimate``), place shards minimising the slowest rank's estimated
+  step time under the memory limits (``partition``: greedy, then ``search``: beam / exact), and
+  print why (``stats``); ``collective_plan`` plans on one rank and broadcasts;
+* ``topology``: world size, node size, memory per rank and the bandwidths the estimates use;
+  ``calibrate`` measures them on the machine at hand (``embshard calibrate``);
+* ``constraints``: what a user pins per table (allowed types and kernels, placement, workload);
+* ``tables`` / ``spec``: where the tables come from (a model, or a JSON / YAML table spec);
 * ``shardable``: find the shardable sub-modules of a model and the shapes of their tables;
 * ``agreement``: check with one small all-gather that every rank holds the same plan;
 * ``requests``: what a user may ask for (a sharding type per table, one for all, "auto");
-* ``simple``: the default plan (``SimplePlanner``): table bytes balanced greedily across ranks,
+* ``simple``: a simple plan (``SimplePlanner``): table bytes balanced greedily across ranks,
   table-wise unless asked otherwise, deterministic.
 """
