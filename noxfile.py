@@ -102,7 +102,10 @@ def gpu_tests(session: nox.Session) -> None:
     count = int(str(gpus).strip().splitlines()[-1]) if gpus else 0
     if count < 1:
         session.skip("torch sees no CUDA device: gpu_tests skipped")
-    session.log(f"running the distributed suite on {count} GPU(s) with NCCL")
+    session.log(
+        f"running the distributed suite on {count} GPU(s) with NCCL "
+        f"(tests needing more than {count} ranks, and cpu_only tests, are skipped)"
+    )
     session.run(
         "pytest",
         "tests",
@@ -144,3 +147,33 @@ def asv(session: nox.Session) -> None:
         session.run("asv", "machine", "--yes")
         session.run("asv", "run", "--python=same", "--quick", "--show-stderr", *session.posargs)
         session.run("asv", "publish")
+
+
+@nox.session
+def compare(session: nox.Session) -> None:
+    """embshard vs TorchRec side by side (W1, W2, every sharding type, a mixed plan).
+
+    TorchRec 1.8.0 declares the CUDA ``fbgemm-gpu``, which must never sit beside
+    ``fbgemm-gpu-cpu``: it is installed with ``--no-deps``, plus the packages ``import torchrec``
+    actually loads (tensordict, tqdm, pyre-extensions) and matplotlib for the chart. Results go
+    to ``benchmarks/results/compare/``. Arguments go to the driver, e.g.
+    ``nox -s compare -- --workload W1 --quick``.
+    """
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "bench")
+    session.install("--no-deps", "torchrec==1.8.0")
+    session.install("tensordict==0.15.3", "pyre-extensions==0.0.32", "tqdm", "matplotlib")
+    session.run(
+        "python",
+        "-c",
+        "import importlib.metadata as m, torch, fbgemm_gpu, torchrec\n"
+        "assert torch.__version__.startswith('2.13.'), torch.__version__\n"
+        "assert m.version('fbgemm-gpu-cpu') == '1.8.0'\n"
+        "try:\n"
+        "    m.version('fbgemm-gpu')\n"
+        "    raise SystemExit('the CUDA fbgemm-gpu got installed beside fbgemm-gpu-cpu')\n"
+        "except m.PackageNotFoundError:\n"
+        "    pass\n"
+        "print('torch', torch.__version__, 'fbgemm-gpu-cpu', fbgemm_gpu.__version__, "
+        "'torchrec', m.version('torchrec'))",
+    )
+    session.run("python", "-m", "benchmarks.compare.run", *session.posargs)

@@ -1,4 +1,11 @@
-"""Run a function on N real processes joined by a gloo process group (CPU), for tests.
+"""Run a function on N real processes joined by a process group, for tests.
+
+The backend comes from ``EMBSHARD_TEST_BACKEND``: ``gloo`` (the default; every rank on the CPU)
+or ``nccl`` (rank ``r`` on GPU ``r % torch.cuda.device_count()``, set before the group starts).
+Tests put their tensors and sharded modules on :func:`test_device` so the same test runs on
+either; under ``nccl`` a call needing more ranks than visible GPUs is skipped (``pytest.skip``,
+decided in the parent before any process starts). ``EMBSHARD_TEST_DEVICE`` may restate the
+device type (``cpu`` / ``cuda``); it must agree with the backend.
 
 Two ways:
 
@@ -14,7 +21,8 @@ module-level function of an importable module (a test module is: pytest puts its
 rank order. An exception on any rank becomes ``RankError`` carrying the rank and its traceback;
 a rank that dies, or a call that exceeds ``timeout_s``, too. Each rank uses one thread
 (``torch.set_num_threads(1)``) and ``EMBSHARD_COLLECTIVE_TIMEOUT_S`` is set to
-``collective_timeout_s`` there, so a collective bug fails fast instead of hanging.
+``collective_timeout_s`` there, so a collective bug fails fast instead of hanging. Return CPU
+values from ``fn`` (``.cpu()`` a tensor that lives on a GPU): results travel through a queue.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,6 +46,64 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 20.0
 PROCESS_GROUP_TIMEOUT_S = 30.0
+BACKEND_VAR = "EMBSHARD_TEST_BACKEND"
+DEVICE_VAR = "EMBSHARD_TEST_DEVICE"
+_DEVICE_OF_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def selected_backend() -> str:
+    """The backend the test ranks join: ``EMBSHARD_TEST_BACKEND`` (default ``gloo``).
+
+    Raises:
+        ValueError: an unknown backend, or an ``EMBSHARD_TEST_DEVICE`` that does not go with it.
+    """
+    backend = os.environ.get(BACKEND_VAR, "").strip().lower() or "gloo"
+    if backend not in _DEVICE_OF_BACKEND:
+        raise ValueError(
+            f"{BACKEND_VAR}={backend!r} is not a test backend; use 'gloo' (CPU) or 'nccl' (GPUs)"
+        )
+    device = os.environ.get(DEVICE_VAR, "").strip().lower()
+    if device and device != _DEVICE_OF_BACKEND[backend]:
+        raise ValueError(
+            f"{DEVICE_VAR}={device!r} does not go with {BACKEND_VAR}={backend!r}: the "
+            f"{backend} ranks run on {_DEVICE_OF_BACKEND[backend]!r}; unset {DEVICE_VAR} or set "
+            f"{BACKEND_VAR}={'nccl' if device == 'cuda' else 'gloo'}"
+        )
+    return backend
+
+
+def gpu_index(rank: int) -> int:
+    """The GPU rank ``rank`` uses under ``nccl``: ``rank % torch.cuda.device_count()``."""
+    count = torch.cuda.device_count()
+    return rank % count if count else rank
+
+
+def test_device(rank: int | None = None) -> torch.device:
+    """Where a test rank keeps its tensors and sharded modules: CPU (gloo) or its GPU (nccl).
+
+    Args:
+        rank: the rank (default: this process's rank in the default group, else 0).
+    """
+    if selected_backend() == "gloo":
+        return torch.device("cpu")
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    return torch.device("cuda", gpu_index(rank))
+
+
+test_device.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test to collect
+
+
+def require_devices(world_size: int) -> None:
+    """Skip the calling test unless ``world_size`` ranks can each have a device of their own."""
+    if selected_backend() != "nccl":
+        return
+    count = torch.cuda.device_count()
+    if count < world_size:
+        pytest.skip(
+            f"{BACKEND_VAR}=nccl: this test runs {world_size} ranks, one per GPU, but only "
+            f"{count} CUDA device(s) are visible"
+        )
 
 
 class RankError(AssertionError):
@@ -71,8 +138,11 @@ def _worker(
     torch.set_num_threads(1)
     os.environ["EMBSHARD_COLLECTIVE_TIMEOUT_S"] = str(collective_timeout_s)
     try:
+        backend = selected_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(gpu_index(rank))
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -97,7 +167,11 @@ def _worker(
 
 
 class RankPool:
-    """``world_size`` processes in one gloo group, running submitted functions together."""
+    """``world_size`` processes in one process group, running submitted functions together.
+
+    Under ``nccl`` with fewer visible GPUs than ``world_size`` it skips the test (see
+    :func:`require_devices`) before starting any process.
+    """
 
     def __init__(
         self,
@@ -106,6 +180,7 @@ class RankPool:
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         start_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
+        require_devices(world_size)
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.broken = False

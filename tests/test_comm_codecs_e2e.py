@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 from torch import Tensor
 
 from embshard_dist.comm.codecs import wire_bytes
@@ -69,7 +69,7 @@ def _readout(width: int) -> tuple[Tensor, Tensor]:
 
 
 def _loss(out: Tensor, rank: int, width: int) -> Tensor:
-    w, y = _readout(width)
+    w, y = (t.to(out.device) for t in _readout(width))
     return ((out @ w - y[rank * B : (rank + 1) * B]) ** 2).mean()
 
 
@@ -82,7 +82,12 @@ def _sgd(param: Tensor) -> None:
 
 def _codecs(name: str) -> QuantizedCommCodecs:
     forward, backward, backend = CODECS[name]
-    return get_qcomm_codecs(forward, backward, int8_backend=backend)  # type: ignore[arg-type]
+    return get_qcomm_codecs(
+        forward,
+        backward,
+        int8_backend=backend,  # type: ignore[arg-type]
+        device=test_device(),
+    )
 
 
 # ---- table-wise: pooled all-to-all --------------------------------------------------------
@@ -92,18 +97,21 @@ def _tw_run(name: str) -> dict[str, Any]:
     rank = dist.get_rank()
     codecs = _codecs(name)
     a2a = PooledEmbeddingsAllToAll(None, TW_DIMS, codecs=codecs)
-    table = _table(rank, ROWS, TW_DIMS[rank]).requires_grad_()
+    device = test_device()
+    table = _table(rank, ROWS, TW_DIMS[rank]).to(device).requires_grad_()
     first_out, first_grad = None, None
     for step in range(STEPS):
-        pooled = table[_ids(step, rank)].sum(dim=1)  # [global batch, my width]
+        pooled = table[_ids(step, rank).to(device)].sum(dim=1)  # [global batch, my width]
         out = a2a(pooled).wait()
         _loss(out, rank, sum(TW_DIMS)).backward()
         if step == 0:
-            first_out, first_grad = out.detach(), table.grad.clone()  # type: ignore[union-attr]
+            grad = table.grad.clone().cpu()  # type: ignore[union-attr]
+            first_out, first_grad = out.detach().cpu(), grad
         _sgd(table)
     fwd = wire_bytes(codecs.forward, [B * TW_DIMS[rank]] * WORLD)
     bwd = wire_bytes(codecs.backward, [B * d for d in TW_DIMS])
-    return {"out": first_out, "grad": first_grad, "weight": table.detach(), "bytes": (fwd, bwd)}
+    weight = table.detach().cpu()
+    return {"out": first_out, "grad": first_grad, "weight": weight, "bytes": (fwd, bwd)}
 
 
 def _tw_reference() -> list[Tensor]:
@@ -129,20 +137,23 @@ def _rw_run(name: str) -> dict[str, Any]:
     rs = PooledEmbeddingsReduceScatter(None, codecs=codecs)
     per_rank = ROWS // WORLD
     lo = rank * per_rank
-    shard = _table(99, ROWS, RW_DIM)[lo : lo + per_rank].clone().requires_grad_()
+    device = test_device()
+    shard = _table(99, ROWS, RW_DIM)[lo : lo + per_rank].clone().to(device).requires_grad_()
     first_out, first_grad = None, None
     for step in range(STEPS):
-        ids = _ids(step, 0)
+        ids = _ids(step, 0).to(device)
         mine = ((ids >= lo) & (ids < lo + per_rank)).unsqueeze(-1)
         partial = (shard[(ids - lo).clamp(0, per_rank - 1)] * mine).sum(dim=1)
         out = rs(partial).wait()
         _loss(out, rank, RW_DIM).backward()
         if step == 0:
-            first_out, first_grad = out.detach(), shard.grad.clone()  # type: ignore[union-attr]
+            grad = shard.grad.clone().cpu()  # type: ignore[union-attr]
+            first_out, first_grad = out.detach().cpu(), grad
         _sgd(shard)
     fwd = wire_bytes(codecs.forward, [B * RW_DIM] * WORLD)
     bwd = wire_bytes(codecs.backward, [B * RW_DIM])  # the all-gather sends my gradient once
-    return {"out": first_out, "grad": first_grad, "weight": shard.detach(), "bytes": (fwd, bwd)}
+    weight = shard.detach().cpu()
+    return {"out": first_out, "grad": first_grad, "weight": weight, "bytes": (fwd, bwd)}
 
 
 def _rw_reference() -> list[Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 
 from embshard_dist.comm.collectives import (
     all_gather_ints,
@@ -28,26 +28,28 @@ def _touched(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _collectives_case() -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = test_device()
     barrier(timeout=10)
 
-    t = torch.full((2,), float(rank + 1))
+    t = torch.full((2,), float(rank + 1), device=device)
     assert all_reduce(t) is t
     assert t.tolist() == [world * (world + 1) / 2] * 2
 
     assert all_gather_ints([rank, 10 * rank]) == [[r, 10 * r] for r in range(world)]
 
     mine = torch.arange(rank * 2, dtype=torch.float32).reshape(rank, 2)  # rank 0: no rows
-    gathered = all_gather_v(mine)
+    gathered = all_gather_v(mine.to(device))
     assert [tuple(x.shape) for x in gathered] == [(r, 2) for r in range(world)]
     for r, x in enumerate(gathered):
-        assert torch.equal(x, torch.arange(r * 2, dtype=torch.float32).reshape(r, 2))
+        assert torch.equal(x.cpu(), torch.arange(r * 2, dtype=torch.float32).reshape(r, 2))
 
     everyone = [_touched(r) for r in range(world)]
-    rows, grads = sparse_all_gather(*everyone[rank])
-    assert torch.equal(rows, torch.cat([r for r, _ in everyone]))
-    assert torch.equal(grads, torch.cat([g for _, g in everyone]))
+    mine_touched = [t.to(device) for t in everyone[rank]]
+    rows, grads = sparse_all_gather(*mine_touched)
+    assert torch.equal(rows.cpu(), torch.cat([r for r, _ in everyone]))
+    assert torch.equal(grads.cpu(), torch.cat([g for _, g in everyone]))
 
-    unique, summed = sparse_all_reduce(*everyone[rank])
+    unique, summed = sparse_all_reduce(*mine_touched)
     all_rows = torch.cat([r for r, _ in everyone]).tolist()
     all_grads = torch.cat([g for _, g in everyone])
     expected_rows = sorted(set(all_rows))
@@ -57,7 +59,7 @@ def _collectives_case() -> bool:
         for j, r in enumerate(all_rows):  # rank order, then each rank's own order
             if r == row:
                 acc += all_grads[j]
-        assert torch.equal(summed[i], acc)
+        assert torch.equal(summed[i].cpu(), acc)
     return True
 
 
@@ -69,7 +71,7 @@ def test_collectives_match_reference(world: int) -> None:
 def _shape_mismatch_case() -> str:
     rank = dist.get_rank()
     try:
-        all_gather_v(torch.zeros(2, 3 + rank))
+        all_gather_v(torch.zeros(2, 3 + rank, device=test_device()))
     except ValueError as e:
         return str(e)
     return "no error"

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _fp16_codecs import Fp16Codec, ScaledFp16Codec, roundtrip
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 
 from embshard_dist.comm.pooled_all_to_all import PooledEmbeddingsAllToAll
 from embshard_dist.sharding.layout import boundaries
@@ -36,7 +36,8 @@ def _pooled_case(batches: list[int], dims: list[int], with_codecs: bool) -> tupl
     grads = [_grad(r, batches, dims) for r in range(world)]
     rows, cols = boundaries(batches), boundaries(dims)
 
-    x = inputs[rank].clone().requires_grad_()
+    device = test_device()
+    x = inputs[rank].to(device, copy=True).requires_grad_()
     a2a = PooledEmbeddingsAllToAll(None, dims, codecs=codecs)
     uneven = len(set(batches)) > 1
     out = a2a(x, batches if uneven else None).wait()
@@ -44,13 +45,13 @@ def _pooled_case(batches: list[int], dims: list[int], with_codecs: bool) -> tupl
     mine = slice(rows[rank], rows[rank + 1])
     expected = torch.cat([roundtrip(fwd, inputs[s][mine]) for s in range(world)], dim=1)
     assert out.shape == (batches[rank], sum(dims))
-    assert torch.equal(out, expected), (out, expected)
+    assert torch.equal(out.cpu(), expected), (out, expected)
 
-    out.backward(grads[rank])
+    out.backward(grads[rank].to(device))
     my_cols = slice(cols[rank], cols[rank + 1])
     expected_grad = torch.cat([roundtrip(bwd, grads[r][:, my_cols]) for r in range(world)])
     assert x.grad is not None
-    assert torch.equal(x.grad, expected_grad), (x.grad, expected_grad)
+    assert torch.equal(x.grad.cpu(), expected_grad), (x.grad, expected_grad)
     return tuple(out.shape)
 
 
@@ -77,10 +78,10 @@ def _overlapping_case() -> bool:
     dims = [2] * world
     first = PooledEmbeddingsAllToAll(None, dims, callbacks=[lambda t: t * 2])
     second = PooledEmbeddingsAllToAll(None, dims)
-    a = torch.full((world, 2), float(rank))
-    b = torch.full((world, 2), float(10 + rank))
+    a = torch.full((world, 2), float(rank), device=test_device())
+    b = torch.full((world, 2), float(10 + rank), device=test_device())
     wa, wb = first(a), second(b)
-    out_b, out_a = wb.wait(), wa.wait()
+    out_b, out_a = wb.wait().cpu(), wa.wait().cpu()
     assert torch.equal(out_a, torch.arange(world).float().repeat_interleave(2)[None] * 2)
     assert torch.equal(out_b, (10 + torch.arange(world)).float().repeat_interleave(2)[None])
     return True
@@ -93,7 +94,7 @@ def test_pooled_all_to_all_overlapping_calls() -> None:
 def _bad_input_case() -> str:
     a2a = PooledEmbeddingsAllToAll(None, [2, 3])
     try:
-        a2a(torch.zeros(3, 2 if dist.get_rank() == 0 else 3))
+        a2a(torch.zeros(3, 2 if dist.get_rank() == 0 else 3, device=test_device()))
     except ValueError as e:
         return str(e)
     return "no error"

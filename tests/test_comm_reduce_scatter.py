@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _fp16_codecs import Fp16Codec, ScaledFp16Codec, roundtrip
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 
 from embshard_dist.comm.reduce_scatter import PooledEmbeddingsReduceScatter
 from embshard_dist.sharding.layout import boundaries
@@ -38,9 +38,11 @@ def _reduce_scatter_case(batches: list[int], with_codecs: bool, pass_splits: boo
     grads = [_grad(r, batches) for r in range(world)]
     rows = boundaries(batches)
 
-    x = inputs[rank].clone().requires_grad_()
+    device = test_device()
+    x = inputs[rank].to(device, copy=True).requires_grad_()
     rs = PooledEmbeddingsReduceScatter(None, codecs=codecs)
     out = rs(x, batches if pass_splits else None).wait()
+    got = out.detach().cpu()
 
     mine = slice(rows[rank], rows[rank + 1])
     expected = roundtrip(fwd, inputs[0][mine])
@@ -49,18 +51,18 @@ def _reduce_scatter_case(batches: list[int], with_codecs: bool, pass_splits: boo
     assert out.shape == (batches[rank], DIM)
     backend_sums = len(set(batches)) == 1 and not with_codecs
     if backend_sums:
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     else:  # all-to-all, then a sum in rank order: exact
-        assert torch.equal(out, expected), (out, expected)
+        assert torch.equal(got, expected), (got, expected)
 
-    out.backward(grads[rank])
+    out.backward(grads[rank].to(device))
     padded = max(batches)
     gathered = []
     for r in range(world):
         g = torch.cat([grads[r], torch.zeros(padded - batches[r], DIM)])
         gathered.append(roundtrip(bwd, g)[: batches[r]])
     assert x.grad is not None
-    assert torch.equal(x.grad, torch.cat(gathered)), (x.grad, torch.cat(gathered))
+    assert torch.equal(x.grad.cpu(), torch.cat(gathered)), (x.grad, torch.cat(gathered))
     return True
 
 
@@ -85,7 +87,7 @@ def test_reduce_scatter_matches_reference(
 def _bad_splits_case() -> str:
     rs = PooledEmbeddingsReduceScatter(None)
     try:
-        rs(torch.zeros(4, 2), [1, 2])
+        rs(torch.zeros(4, 2, device=test_device()), [1, 2])
     except ValueError as e:
         return str(e)
     return "no error"

@@ -79,6 +79,7 @@ def _pooled_with_dead_rank(limit_s: float) -> tuple[str, str, bool, float]:
     return _outcome(lambda: a2a(torch.ones(world, 2)).wait())
 
 
+@pytest.mark.cpu_only("kills a rank; the time limit applies to CPU waits (NCCL's watchdog aborts)")
 def test_dead_rank_raises_collective_error_in_pooled_all_to_all() -> None:
     limit = 8.0
     results = run_ranks(3, _pooled_with_dead_rank, limit, may_exit=[1], timeout_s=60)
@@ -104,6 +105,7 @@ def _kjt_with_rank_dying_between_phases(limit_s: float) -> tuple[str, str, bool,
     return _outcome(lambda: splits.wait().wait())
 
 
+@pytest.mark.cpu_only("kills a rank; the time limit applies to CPU waits (NCCL's watchdog aborts)")
 def test_rank_dying_between_kjt_phases_raises_collective_error() -> None:
     limit = 8.0
     results = run_ranks(2, _kjt_with_rank_dying_between_phases, limit, may_exit=[1])
@@ -122,6 +124,7 @@ def _all_reduce_with_hung_rank(sleep_s: float) -> tuple[str, str, bool, float]:
     return _outcome(lambda: all_reduce(torch.ones(3), name="dense_grads"))
 
 
+@pytest.mark.cpu_only("hangs a rank; the collective time limit applies to CPU waits only")
 def test_hung_rank_times_out_with_the_environment_limit() -> None:
     # The harness sets EMBSHARD_COLLECTIVE_TIMEOUT_S on the ranks.
     results = run_ranks(2, _all_reduce_with_hung_rank, 0.5, collective_timeout_s=1.5)

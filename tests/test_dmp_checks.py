@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 from test_dmp_training import build_model
 
 from embshard_dist.model_parallel import DistributedModelParallel
@@ -29,15 +29,15 @@ SPEC = OptimizerSpec.from_name("rowwise_adagrad", lr=0.1)
 
 
 def _table_wise(rank: int, rows: int) -> ParameterSharding:
-    return ParameterSharding(
-        "table_wise", "fused", ranks=(rank,), shards=(ShardSpec.on(rank, "cpu", (0, 0), (rows, 8)),)
-    )
+    spec = ShardSpec.on(rank, test_device().type, (0, 0), (rows, 8))
+    return ParameterSharding("table_wise", "fused", ranks=(rank,), shards=(spec,))
 
 
 def _plan_case(case: str) -> ShardingPlan:
     rank = dist.get_rank()
     sharders: list[Any] = [EmbeddingBagCollectionSharder(optimizer=SPEC)]
-    good = SimplePlanner(WORLD, optimizer=SPEC).plan(build_model(device="meta"), sharders)
+    planner = SimplePlanner(WORLD, device_type=test_device().type, optimizer=SPEC)
+    good = planner.plan(build_model(device="meta"), sharders)
     module_plan = dict(good["sparse_arch"])  # type: ignore[call-overload]
     if case == "unknown_table":
         module_plan["t9"] = _table_wise(0, 10)

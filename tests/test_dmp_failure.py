@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from _mp import Exited, run_ranks
@@ -47,6 +48,7 @@ def _die_mid_step() -> tuple[str, str, float]:
     return "no error", "", time.monotonic() - start
 
 
+@pytest.mark.cpu_only("kills a rank; the time limit applies to CPU waits (NCCL's watchdog aborts)")
 def test_a_rank_dying_mid_step_ends_the_other_with_collective_error() -> None:
     results = run_ranks(2, _die_mid_step, may_exit=[1], collective_timeout_s=LIMIT_S, timeout_s=60)
     assert results[1] == Exited(3)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 from torch import Tensor
 
 from embshard_dist.comm.collectives import all_gather_ints
@@ -94,7 +95,7 @@ def compare(sharded: Any, whole: Tensor) -> tuple[float, int]:
             for d, (o, n) in enumerate(zip(offsets, local.shape, strict=True))
         )
         ref = whole.detach()[index]
-        worst = max(worst, (local.detach().float() - ref.float()).abs().max().item())
+        worst = max(worst, (local.detach().cpu().float() - ref.cpu().float()).abs().max().item())
         count += local.numel()
     return worst, count
 
@@ -126,14 +127,17 @@ def _train_and_compare(optimizer: str, sharding: Any, steps: int) -> dict[str, f
     ref, ref_dense = _reference(model, spec)
     initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     sharders: list[Any] = [EmbeddingBagCollectionSharder(optimizer=spec)]
-    plan = SimplePlanner(world, sharding=sharding, optimizer=spec).plan(model, sharders)
+    device = test_device()
+    planner = SimplePlanner(world, device_type=device.type, sharding=sharding, optimizer=spec)
+    plan = planner.plan(model, sharders)
     dmp = DistributedModelParallel(model, plan=plan, sharders=sharders, optimizer=spec)
     opt = dmp.optimizer()
     loss_fn = torch.nn.BCEWithLogitsLoss()
     source = data()
     for step in range(steps):
         local = source.batch(step, rank, world)
-        loss_fn(dmp(local.dense, local.sparse), local.labels).backward()
+        out = dmp(local.dense.to(device), local.sparse.to(device))
+        loss_fn(out, local.labels.to(device)).backward()
         opt.step()
         opt.zero_grad()
         whole = source.global_batch(step, world)
@@ -199,10 +203,11 @@ def _meta_default_plan() -> dict[str, Any]:
     opt = dmp.optimizer()
     source = data()
     losses = []
+    device = test_device()
     for step in range(2):
         b = source.batch(step, rank, world)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            dmp(b.dense, b.sparse), b.labels
+            dmp(b.dense.to(device), b.sparse.to(device)), b.labels.to(device)
         )
         loss.backward()
         opt.step()
@@ -229,15 +234,19 @@ def _state_dict_round_trip(output_dtensor: bool) -> dict[str, Any]:
     spec = OptimizerSpec.from_name("rowwise_adagrad", lr=0.1)
     sharders: list[Any] = [EmbeddingBagCollectionSharder(optimizer=spec)]
 
+    device = test_device()
+
     def make(seed: int) -> DistributedModelParallel:
         model = build_model(seed)
-        plan = SimplePlanner(world, sharding=MIXED, optimizer=spec).plan(model, sharders)
+        planner = SimplePlanner(world, device_type=device.type, sharding=MIXED, optimizer=spec)
+        plan = planner.plan(model, sharders)
         return DistributedModelParallel(
             model, plan=plan, sharders=sharders, optimizer=spec, output_dtensor=output_dtensor
         )
 
     first, second = make(0), make(5)
-    b = data().batch(0, rank, world)
+    local = data().batch(0, rank, world)
+    b = replace(local, dense=local.dense.to(device), sparse=local.sparse.to(device))
     saved = first.state_dict()
     kinds = {k: type(v).__name__ for k, v in saved.items() if k.startswith("sparse_arch.")}
     state_kinds = {

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 from test_sharded_ebc_training import (
     OPTIMIZERS,
     TABLES,
@@ -36,7 +36,7 @@ KEYS = [f for t in TABLES for f in t.feature_names]
 def _shard(module: EmbeddingBagCollection, plan: str, *, dtensor: bool = False) -> Any:
     world = dist.get_world_size()
     env = ShardingEnv(world, dist.get_rank(), dist.group.WORLD, output_dtensor=dtensor)
-    return EmbeddingBagCollectionSharder().shard(module, plan_for(plan, world), env)
+    return EmbeddingBagCollectionSharder().shard(module, plan_for(plan, world), env, test_device())
 
 
 def _module(seed: int, device: str = "cpu") -> EmbeddingBagCollection:
@@ -47,7 +47,7 @@ def _module(seed: int, device: str = "cpu") -> EmbeddingBagCollection:
 def _train_step(module: Any, step: int) -> torch.Tensor:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = global_batch(list(TABLES), step, 2 * world)
-    out = module(kjt_of(data, KEYS, 2 * rank, 2 * rank + 2, False)).values()
+    out = module(kjt_of(data, KEYS, 2 * rank, 2 * rank + 2, False).to(test_device())).values()
     out.sum().backward()
     return out.detach()
 
@@ -71,7 +71,7 @@ def _check_meta_init_and_loading() -> bool:
             whole = _whole(configs[key.split(".")[1]])
             for tensor, offsets in local_pieces(value):
                 (r, c), (nr, nc) = offsets, tensor.shape
-                assert torch.equal(tensor, whole[r : r + nr, c : c + nc]), (plan, key)
+                assert torch.equal(tensor.cpu(), whole[r : r + nr, c : c + nc]), (plan, key)
 
     # A trained module's weights and optimizer state load into another one exactly.
     trained = _shard(_module(1), "mixed")
@@ -90,7 +90,8 @@ def _check_meta_init_and_loading() -> bool:
     for key, value in other.state_dict().items():
         for tensor, offsets in local_pieces(value):
             (r, c), (nr, nc) = offsets, tensor.shape
-            assert torch.equal(tensor, reference.state_dict()[key][r : r + nr, c : c + nc])
+            expected = reference.state_dict()[key][r : r + nr, c : c + nc]
+            assert torch.equal(tensor.cpu(), expected)
 
     # A tensor of the wrong shape is refused, naming the table, before anything is written.
     before = {k: [t.clone() for t, _ in local_pieces(v)] for k, v in other.state_dict().items()}
@@ -154,7 +155,7 @@ def _bad_plan_everywhere() -> str:
 
 def _shard_with(plan: EmbeddingModuleShardingPlan) -> Any:
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    return EmbeddingBagCollectionSharder().shard(_module(0), plan, env)
+    return EmbeddingBagCollectionSharder().shard(_module(0), plan, env, test_device())
 
 
 def test_bad_plan_raises_the_same_error_on_every_rank() -> None:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from _mp import require_devices, selected_backend
 
 from embshard_dist.cli import main
 from embshard_dist.comm.collectives import barrier
-from embshard_dist.launch import launch
+from embshard_dist.launch import default_backend, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,9 +43,11 @@ def _rank1_fails(code: int) -> int:
 
 
 def test_launch_runs_every_rank_in_one_group(tmp_path: Path) -> None:
-    assert launch(_report, (str(tmp_path),), nproc=2, backend="gloo", threads=1) == 0
+    require_devices(2)
+    backend = selected_backend()
+    assert launch(_report, (str(tmp_path),), nproc=2, backend=backend, threads=1) == 0
     first, second = (tmp_path / "rank0").read_text(), (tmp_path / "rank1").read_text()
-    assert first.split()[:2] == ["2", "gloo"] and first.split()[2] == "0"
+    assert first.split()[:2] == ["2", backend] and first.split()[2] == "0"
     assert second.split()[2] == "1" and first.split()[3] == second.split()[3]
 
 
@@ -118,7 +121,8 @@ def test_default_run_trains_and_reports(tmp_path: Path, capfd: pytest.CaptureFix
     assert time.monotonic() - start < 50
     out = capfd.readouterr().out
     assert "param | sharding type | compute kernel | ranks" in out  # the plan, as a table
-    assert "table_wise" in out and "rank:1/cpu" in out
+    device = "cuda" if default_backend(2) == "nccl" else "cpu"  # what --device auto picks
+    assert "table_wise" in out and f"rank:1/{device}" in out
     progress = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(progress) == 10 and "steps/s | loss" in progress[-1]
     assert "samples/s" in out and "peak memory (RSS): rank 0" in out and "rank 1" in out

@@ -9,7 +9,9 @@ Guarantees:
       gradients of a repeated row are summed in input order (rank order, then each rank's own
       order), so every rank obtains bit-identical results;
     * uneven all-gathers pad to the largest size and trim: no backend support for uneven
-      gathers is needed (gloo has none).
+      gathers is needed (gloo has none);
+    * helpers that build their own tensors (``all_gather_ints``) put them where the group's
+      backend can send them (:func:`collective_device`: this rank's GPU under NCCL, else CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +26,21 @@ from embshard_dist.comm._dtypes import dtype_code, dtype_name
 from embshard_dist.comm.timeouts import Timeout, issue
 
 _MAX_DIMS = 8
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where tensors a collective builds for ``group`` must live.
+
+    NCCL sends CUDA tensors only: under a plain ``nccl`` group this is the current CUDA device
+    (``torch.cuda.set_device`` picks it); under any other backend (gloo, or a mixed
+    ``cpu:gloo,cuda:nccl`` group) it is the CPU.
+
+    Args:
+        group: the process group (``None``: the default group).
+    """
+    if str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_reduce(
@@ -90,13 +107,15 @@ def all_gather_ints(
         One list per rank, in rank order.
     """
     world = dist.get_world_size(group)
-    local = torch.tensor(list(values), dtype=torch.int64).reshape(-1)
+    device = collective_device(group)
+    local = torch.tensor(list(values), dtype=torch.int64, device=device).reshape(-1)
     out = local.new_empty(world * local.numel())
     issue(
         name,
         lambda: dist.all_gather_single(out, local, group=group, async_op=True),
         group=group,
         timeout=timeout,
+        device=device,
     ).wait()
     return [row.tolist() for row in out.reshape(world, -1)]
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from embshard_dist.comm.collectives import collective_device
 from embshard_dist.comm.timeouts import issue
 from embshard_dist.planner.constraints import (
     DEFAULT_BATCH_SIZE,
@@ -317,20 +318,25 @@ def _broadcast(tensor: torch.Tensor, group: Any, what: str) -> None:
         f"collective_plan.{what}",
         lambda: dist.broadcast(tensor, group=group, group_src=0, async_op=True),
         group=group,
+        device=tensor.device,
     ).wait()
 
 
 def _send(status: int, payload: bytes, group: Any) -> None:
-    _broadcast(torch.tensor([status, len(payload)], dtype=torch.int64), group, "header")
+    device = collective_device(group)
+    header = torch.tensor([status, len(payload)], dtype=torch.int64, device=device)
+    _broadcast(header, group, "header")
     if payload:
-        _broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), group, "payload")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        _broadcast(data, group, "payload")
 
 
 def _receive_plan(group: Any) -> ShardingPlan:
-    header = torch.zeros(2, dtype=torch.int64)
+    device = collective_device(group)
+    header = torch.zeros(2, dtype=torch.int64, device=device)
     _broadcast(header, group, "header")
     status, length = (int(v) for v in header.tolist())
-    payload = torch.empty(length, dtype=torch.uint8)
+    payload = torch.empty(length, dtype=torch.uint8, device=device)
     if length:
         _broadcast(payload, group, "payload")
     text = bytes(payload.tolist()).decode()
