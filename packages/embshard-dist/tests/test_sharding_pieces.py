@@ -63,8 +63,10 @@ def test_feature_selector_errors_name_feature_and_table() -> None:
         lengths=torch.tensor([1, 1, 0]),
         stride_per_key_per_rank=[[1], [2]],
     )
-    with pytest.raises(ValueError, match="one batch size"):
-        FeatureSelector(["f1"], TABLES, is_weighted=False)(variable)
+    # batch sizes that vary per feature pass through (the sharded collections check them)
+    selected = FeatureSelector(["f2"], TABLES, is_weighted=False)(variable)
+    assert selected.stride_per_key_per_rank() == [[2]]
+    assert to_wire(selected).stride_per_key_per_rank() == [[2]]
 
 
 def test_to_wire_states_the_batch_size_per_key() -> None:

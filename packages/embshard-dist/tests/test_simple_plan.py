@@ -261,11 +261,10 @@ def test_plans_pass_the_real_sharders_checks() -> None:
         for i, rows in enumerate([64, 65536, 25_000, 25_000])
     ]
     model = DLRM(tables, device="meta")
-    for request in (None, "auto", "row_wise", "column_wise", "data_parallel"):
+    requests = (None, "auto", "row_wise", "column_wise", "data_parallel")
+    node_aware = ("table_row_wise", "table_column_wise", "grid_shard")
+    for request in requests + node_aware:
         plan = SimplePlanner(2, sharding=request).plan(model, [sharder])
         sharder.check_plan(
             model.sparse_arch, plan["sparse_arch"], ShardingEnv.from_local(2, 0), "cpu"
         )
-    # node-aware types are not (yet) run by this sharder: the planner says so, naming the table
-    with pytest.raises(ValueError, match=r"table 't0' of module 'sparse_arch'.*not supported"):
-        SimplePlanner(2, sharding="grid_shard").plan(model, [sharder])

@@ -50,7 +50,7 @@ from embshard_dist.dmp.weights import check_same_source_weights, materialize_den
 from embshard_dist.planner.agreement import check_plan_agreement
 from embshard_dist.planner.shardable import table_shapes
 from embshard_dist.planner.simple import SimplePlanner
-from embshard_kernels.collections import EmbeddingBagCollection
+from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_optim.combined import CombinedOptimizer
 from embshard_optim.fused import EmptyFusedOptimizer
 from embshard_optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
@@ -74,7 +74,8 @@ class DistributedModelParallel(nn.Module):
         device: the compute device (default: this rank's current GPU under NCCL, else CPU).
         plan: how to shard (default: :class:`~embshard_dist.planner.simple.SimplePlanner`).
         sharders: one sharder per kind of shardable module (default: an
-            ``EmbeddingBagCollectionSharder`` with ``optimizer``).
+            ``EmbeddingBagCollectionSharder`` and an ``EmbeddingCollectionSharder``, both with
+            ``optimizer``).
         optimizer: the embedding optimizer (an ``OptimizerSpec`` or a name such as
             ``"rowwise_adagrad"``); default: the one the model's embedding collections were
             built with, else :data:`DEFAULT_EMBEDDING_OPTIMIZER`.
@@ -335,7 +336,8 @@ def _resolve_spec(optimizer: OptimizerSpec | str | None, model: nn.Module) -> Op
         # The optimizer the model's first fused collection was built with, as the sharded
         # collection itself would take it; else the default.
         for m in model.modules():
-            for table in getattr(m, "_tables", ()) if isinstance(m, EmbeddingBagCollection) else ():
+            collection = isinstance(m, EmbeddingBagCollection | EmbeddingCollection)
+            for table in getattr(m, "_tables", ()) if collection else ():
                 if table.fused_params is not None:
                     return cast(OptimizerSpec, table.fused_params.optimizer)
         return DEFAULT_EMBEDDING_OPTIMIZER
@@ -350,9 +352,13 @@ def _resolve_spec(optimizer: OptimizerSpec | str | None, model: nn.Module) -> Op
 
 
 def _default_sharders(spec: OptimizerSpec) -> list[ModuleSharder[Any]]:
+    from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
     from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
 
-    return [EmbeddingBagCollectionSharder(optimizer=spec)]
+    return [
+        EmbeddingBagCollectionSharder(optimizer=spec),
+        EmbeddingCollectionSharder(optimizer=spec),
+    ]
 
 
 def _table_namer(targets: Mapping[str, tuple[nn.Module, ModuleSharder[Any]]]) -> Any:

@@ -4,8 +4,9 @@ Guarantees: modules are found in ``named_modules()`` order (deterministic for a 
 a module is matched by its exact type against each sharder's ``module_type`` (a subclass may
 change ``forward``, so it is not assumed to shard the same way); the descendants of a matched
 module and modules that are already sharded are skipped. Table shapes come from the module's
-table configs when it has them (``embedding_bag_configs()``), else from the 2-D parameters the
-sharder calls shardable, so meta-device modules work too.
+table configs when it has them (``embedding_bag_configs()``, or ``embedding_configs()`` for an
+EmbeddingCollection), else from the 2-D parameters the sharder calls shardable, so meta-device
+modules work too.
 """
 
 from __future__ import annotations

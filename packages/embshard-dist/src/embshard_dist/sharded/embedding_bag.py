@@ -1,7 +1,9 @@
 """ShardedEmbeddingBagCollection: an EmbeddingBagCollection whose tables are spread over ranks.
 
 Each table is sharded as its plan entry says; tables of one sharding type are served by one
-strategy of :mod:`embshard_dist.sharding` (``dp``, ``tw``, ``rw``, ``cw``). A step is::
+strategy of :mod:`embshard_dist.sharding` (``dp``, ``tw``, ``rw``, ``cw``, and the node-aware
+``twrw``, ``twcw``, ``grid``, whose nodes are ``local_world_size`` consecutive ranks, see
+:mod:`embshard_dist.sharding.nodes`). A step is::
 
     forward(kjt)                       # the caller's local batch
       input_dist(ctx, kjt)             # every strategy starts routing its features
@@ -42,6 +44,7 @@ from embshard_dist.sharded.context import (
 )
 from embshard_dist.sharded.init import draw_shard, is_materialised
 from embshard_dist.sharded.state import check_entry, local_part, table_state_entry
+from embshard_dist.sharders.node_plan_checks import NODE_AWARE
 from embshard_dist.sharders.plan_checks import check_plan, table_specs
 from embshard_dist.sharding._lookup import GroupedBagLookup
 from embshard_dist.sharding.base import (
@@ -52,8 +55,17 @@ from embshard_dist.sharding.base import (
 )
 from embshard_dist.sharding.cw import CwSharding
 from embshard_dist.sharding.dp import DpSharding
+from embshard_dist.sharding.grid import GridSharding
+from embshard_dist.sharding.nodes import env_local_world_size
 from embshard_dist.sharding.rw import RwSharding
 from embshard_dist.sharding.tw import TwSharding
+from embshard_dist.sharding.twcw import TwCwSharding
+from embshard_dist.sharding.twrw import TwRwSharding
+from embshard_dist.sharding.variable_batch import (
+    VariableBatchKeyedTensorAwaitable,
+    check_variable_batch,
+    variable_batch_output_dists,
+)
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_kernels.fbgemm_mapping import data_type_to_dtype
 from embshard_kernels.fused_params import FusedParams
@@ -81,6 +93,9 @@ STRATEGIES: dict[ShardingType, type] = {
     ShardingType.TABLE_WISE: TwSharding,
     ShardingType.ROW_WISE: RwSharding,
     ShardingType.COLUMN_WISE: CwSharding,
+    ShardingType.TABLE_ROW_WISE: TwRwSharding,
+    ShardingType.TABLE_COLUMN_WISE: TwCwSharding,
+    ShardingType.GRID_SHARD: GridSharding,
 }
 """The strategy class serving each supported sharding type."""
 
@@ -89,6 +104,9 @@ SUPPORTED_KERNELS: dict[ShardingType, tuple[ComputeKernel, ...]] = {
     ShardingType.TABLE_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
     ShardingType.ROW_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
     ShardingType.COLUMN_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
+    ShardingType.TABLE_ROW_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
+    ShardingType.TABLE_COLUMN_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
+    ShardingType.GRID_SHARD: (ComputeKernel.FUSED, ComputeKernel.DENSE),
 }
 """Compute kernels each strategy runs on the CPU (CUDA adds the UVM fused kernels)."""
 
@@ -119,6 +137,9 @@ class ShardedEmbeddingBagCollection(
         fused_params: fused-kernel options (output dtype, bounds check, cache).
         qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value.
         path: the module's path in the model, for messages.
+        local_world_size: ranks per node for table-row-wise, table-column-wise and grid
+            tables; default: a 2-D environment's ``node_group_size`` (else its whole sharding
+            group), else ``LOCAL_WORLD_SIZE``, else one node.
 
     Raises:
         ValueError / TypeError: the plan does not fit the module, world or device (every rank
@@ -136,8 +157,10 @@ class ShardedEmbeddingBagCollection(
         fused_params: FusedParams | None = None,
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
         path: str = "",
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__(qcomm_codecs_registry)
+        lws = env_local_world_size(env, local_world_size)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         configs = module.embedding_bag_configs()
         check_plan(
@@ -148,6 +171,7 @@ class ShardedEmbeddingBagCollection(
             path=path,
             sharding_types=list(STRATEGIES),
             compute_kernels=lambda kind: supported_kernels(kind, dev.type),
+            local_world_size=lws,
         )
         self._env = env
         self._device = dev
@@ -169,14 +193,17 @@ class ShardedEmbeddingBagCollection(
         )
         self._tables = {
             c.name: BagTable(
-                c, plan[c.name], table_specs(c, plan[c.name], env.world_size, dev.type)
+                c,
+                plan[c.name],
+                table_specs(c, plan[c.name], env.world_size, dev.type, local_world_size=lws),
             )
             for c in configs
         }
         self._shardings: list[EmbeddingBagSharding] = []
         for kind in dict.fromkeys(plan[c.name].sharding_type for c in configs):
             mine = [t for t in self._tables.values() if t.sharding.sharding_type is kind]
-            self._shardings.append(STRATEGIES[kind](mine, options))
+            node_size = {"local_world_size": lws} if kind in NODE_AWARE else {}
+            self._shardings.append(STRATEGIES[kind](mine, options, **node_size))
         # The three stages of the flow, one module per strategy. They are kept out of the
         # module tree: the local weights are registered once, under ``embedding_bags``.
         self._input_dists = [s.create_input_dist() for s in self._shardings]
@@ -195,6 +222,7 @@ class ShardedEmbeddingBagCollection(
         self._columns = _column_index(self._shardings, self._keys, dims)
         self._fused_optim = _combine([o for lk in self._lookups for o in lk.fused_optimizers()])
         self._mesh: DeviceMesh | None = None
+        self._variable_dists: list[nn.Module] | None = None  # built for the first such batch
         self.register_state_dict_post_hook(_save_tables)
         self.register_load_state_dict_pre_hook(_load_tables)
 
@@ -210,7 +238,9 @@ class ShardedEmbeddingBagCollection(
 
         Args:
             ctx: the step's context.
-            *input: the caller's ``KeyedJaggedTensor`` (local batch; extra features ignored).
+            *input: the caller's ``KeyedJaggedTensor`` (local batch; extra features ignored;
+                batch sizes may vary per feature, with inverse indices, on every rank alike:
+                see :mod:`embshard_dist.sharding.variable_batch`).
         """
         (features,) = input
         if not isinstance(features, KeyedJaggedTensor):
@@ -218,6 +248,10 @@ class ShardedEmbeddingBagCollection(
                 f"ShardedEmbeddingBagCollection takes a KeyedJaggedTensor, got "
                 f"{type(features).__name__}"
             )
+        if features.variable_stride_per_key():
+            check_variable_batch(features, self._keys, self._shardings)
+            for sctx in ctx.sharding_contexts:
+                sctx.input_features = features
         return FeaturesAwaitable(
             [
                 dist(features, sctx)
@@ -235,6 +269,19 @@ class ShardedEmbeddingBagCollection(
         self, ctx: EmbeddingBagCollectionContext, output: list[Tensor]
     ) -> LazyAwaitable[KeyedTensor]:
         """Start every strategy's output dist; the result waits for them on first use."""
+        variable = ctx.sharding_contexts[0].input_features if ctx.sharding_contexts else None
+        if variable is not None:  # batch sizes vary per feature
+            if self._variable_dists is None:
+                self._variable_dists = variable_batch_output_dists(
+                    self._shardings, self._tables, self._pg, self.qcomm_codecs_registry
+                )
+            started = [
+                dist(embeddings, sctx)
+                for dist, embeddings, sctx in zip(
+                    self._variable_dists, output, ctx.sharding_contexts, strict=True
+                )
+            ]
+            return VariableBatchKeyedTensorAwaitable(started, self._keys, self._dims, variable)
         pending = [
             dist(embeddings, sctx)
             for dist, embeddings, sctx in zip(

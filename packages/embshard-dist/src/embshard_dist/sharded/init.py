@@ -18,14 +18,14 @@ import zlib
 import torch
 from torch import Tensor
 
-from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.configs import BaseEmbeddingConfig
 from embshard_types.shard_spec import ShardSpec
 
 ROWS_PER_DRAW = 4096
 """Rows drawn from one generator (the unit of deterministic initialisation)."""
 
 
-def draw_shard(config: EmbeddingBagConfig, spec: ShardSpec, dtype: torch.dtype) -> Tensor:
+def draw_shard(config: BaseEmbeddingConfig, spec: ShardSpec, dtype: torch.dtype) -> Tensor:
     """The initial values of one shard of a table (see the module docstring).
 
     Args:

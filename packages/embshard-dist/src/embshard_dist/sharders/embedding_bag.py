@@ -2,8 +2,9 @@
 
 Guarantees: ``sharding_types`` and ``compute_kernels`` list only what
 :class:`~embshard_dist.sharded.embedding_bag.ShardedEmbeddingBagCollection` runs on the device
-(data-parallel, table-, row- and column-wise; fused kernels, dense ones except for
-data-parallel tables, UVM kernels on CUDA only); ``check_plan`` raises a ``ValueError`` naming
+(data-parallel, table-, row- and column-wise, and the node-aware table-row-wise,
+table-column-wise and grid; fused kernels, dense ones except for data-parallel tables, UVM
+kernels on CUDA only); ``check_plan`` raises a ``ValueError`` naming
 the table for any plan the sharded module would refuse, and ``shard`` runs it before building
 anything or contacting any rank.
 """
@@ -21,6 +22,7 @@ from embshard_dist.sharded.embedding_bag import (
     supported_kernels,
 )
 from embshard_dist.sharders.plan_checks import check_plan
+from embshard_dist.sharding.nodes import env_local_world_size, resolve_local_world_size
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_kernels.fused_params import FusedParams
 from embshard_optim.specs import OptimizerSpec
@@ -41,6 +43,12 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
             ``fused_params``, else the one each collection was built with).
         fused_params: fused-kernel options (output dtype, bounds check, cache).
         qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value.
+        local_world_size: ranks per node for table-row-wise, table-column-wise and grid
+            tables (default: see :mod:`embshard_dist.sharding.nodes`); tests simulate several
+            nodes on one host with it.
+
+    Raises:
+        ValueError: ``local_world_size`` is not a positive int.
     """
 
     def __init__(
@@ -48,8 +56,12 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         optimizer: OptimizerSpec | None = None,
         fused_params: FusedParams | None = None,
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__(qcomm_codecs_registry)
+        if local_world_size is not None:
+            resolve_local_world_size(local_world_size, local_world_size)
+        self._local_world_size = local_world_size
         if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
             raise TypeError(
                 f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}; build one "
@@ -112,6 +124,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
             fused_params=self._fused_params,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             path=path or module_fqn or "",
+            local_world_size=self._local_world_size,
         )
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, nn.Parameter]:
@@ -124,7 +137,8 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         }
 
     def sharding_types(self, compute_device_type: str) -> list[ShardingType]:
-        """Data-parallel, table-, row- and column-wise (on ``cpu`` and ``cuda``).
+        """Data-parallel, table-, row-, column-, table-row-, table-column-wise and grid (on
+        ``cpu`` and ``cuda``).
 
         Raises:
             ValueError: an unknown device type.
@@ -169,6 +183,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
             path=path,
             sharding_types=self.sharding_types(device_type),
             compute_kernels=lambda kind: self.compute_kernels(kind, device_type),
+            local_world_size=env_local_world_size(env, self._local_world_size),
         )
 
 

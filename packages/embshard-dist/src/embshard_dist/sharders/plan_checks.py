@@ -13,17 +13,21 @@ world; the shards tile the table; table-wise tables sit on one rank; row-wise ta
 row block per rank, block ``r`` on rank ``r``; column-wise blocks span all rows, are at least
 4 columns wide and multiples of 4, and no rank holds two blocks of one table; data-parallel
 tables are replicated on every rank; fused kernels get local widths that are multiples of 4;
-shards are placed on the compute device's type.
+shards are placed on the compute device's type. Table-row-wise, table-column-wise and grid
+layouts are checked against the nodes (``local_world_size`` ranks each) by
+:mod:`embshard_dist.sharders.node_plan_checks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from embshard_dist.sharders.node_plan_checks import NODE_AWARE, check_node_layout
 from embshard_dist.sharding.layout import MIN_COLUMN_BLOCK, shard_specs
+from embshard_dist.sharding.nodes import NodeTopology, resolve_local_world_size
 from embshard_kernels.fbgemm_mapping import check_kernel_available, resolve_kernel
 from embshard_optim.sharded_state import check_tiling
-from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.configs import BaseEmbeddingConfig
 from embshard_types.parameter_sharding import ParameterSharding
 from embshard_types.plan import EmbeddingModuleShardingPlan
 from embshard_types.shard_spec import ShardSpec
@@ -33,7 +37,12 @@ _FUSED = (ComputeKernel.FUSED, ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_
 
 
 def table_specs(
-    config: EmbeddingBagConfig, sharding: ParameterSharding, world_size: int, device_type: str
+    config: BaseEmbeddingConfig,
+    sharding: ParameterSharding,
+    world_size: int,
+    device_type: str,
+    *,
+    local_world_size: int | None = None,
 ) -> tuple[ShardSpec, ...] | None:
     """Every shard of ``config`` under ``sharding`` (``None`` for data-parallel).
 
@@ -42,6 +51,8 @@ def table_specs(
         sharding: the plan's entry for it.
         world_size: ranks in the sharding group (row-wise tables default to all of them).
         device_type: device type for computed placements (``cpu``, ``cuda``).
+        local_world_size: ranks per node (grid tables given by ranks; see
+            :mod:`embshard_dist.sharding.nodes` for the default).
 
     Raises:
         ValueError: the ranks do not fit the sharding type (named with the table).
@@ -65,6 +76,11 @@ def table_specs(
         config.embedding_dim,
         list(ranks),
         device_type,
+        local_world_size=(
+            resolve_local_world_size(world_size, local_world_size)
+            if kind is ShardingType.GRID_SHARD
+            else None
+        ),
         table_name=config.name,
     )
     assert specs is not None
@@ -72,7 +88,7 @@ def table_specs(
 
 
 def check_plan(
-    configs: Sequence[EmbeddingBagConfig],
+    configs: Sequence[BaseEmbeddingConfig],
     plan: object,
     world_size: int,
     device_type: str,
@@ -80,6 +96,8 @@ def check_plan(
     path: str = "",
     sharding_types: Sequence[ShardingType],
     compute_kernels: Callable[[ShardingType], Sequence[ComputeKernel]],
+    module_kind: str = "EmbeddingBagCollection",
+    local_world_size: int | None = None,
 ) -> None:
     """Raise ``ValueError`` unless ``plan`` can shard the tables ``configs`` (see module doc).
 
@@ -91,12 +109,15 @@ def check_plan(
         path: the module's path in the model, for messages.
         sharding_types: the sharding types supported on the device.
         compute_kernels: the kernels supported for a sharding type on the device.
+        module_kind: the collection's class name, for messages.
+        local_world_size: ranks per node for the node-aware types (see
+            :mod:`embshard_dist.sharding.nodes` for the default).
 
     Raises:
         TypeError: ``plan`` is not an ``EmbeddingModuleShardingPlan``.
         ValueError: the first problem found, naming the module and the table.
     """
-    where = f"module {path!r}" if path else "the EmbeddingBagCollection"
+    where = f"module {path!r}" if path else f"the {module_kind}"
     if not isinstance(plan, EmbeddingModuleShardingPlan):
         raise TypeError(
             f"{where}: expected an EmbeddingModuleShardingPlan, got {type(plan).__name__}"
@@ -116,26 +137,35 @@ def check_plan(
             )
         try:
             _check_table(
-                config, plan[config.name], world_size, device_type, sharding_types, compute_kernels
+                config,
+                plan[config.name],
+                world_size,
+                device_type,
+                sharding_types,
+                compute_kernels,
+                module_kind,
+                local_world_size,
             )
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
 
 def _check_table(
-    config: EmbeddingBagConfig,
+    config: BaseEmbeddingConfig,
     sharding: ParameterSharding,
     world_size: int,
     device_type: str,
     sharding_types: Sequence[ShardingType],
     compute_kernels: Callable[[ShardingType], Sequence[ComputeKernel]],
+    module_kind: str = "EmbeddingBagCollection",
+    local_world_size: int | None = None,
 ) -> None:
     name = config.name
     kind = sharding.sharding_type
     if kind not in sharding_types:
         raise ValueError(
             f"table {name!r}: sharding type {kind.value!r} is not supported by the "
-            f"EmbeddingBagCollection sharder on {device_type}; use one of "
+            f"{module_kind} sharder on {device_type}; use one of "
             f"{[t.value for t in sharding_types]}"
         )
     kernel = resolve_kernel(sharding.compute_kernel, table=name)
@@ -147,7 +177,9 @@ def _check_table(
         )
     check_kernel_available(kernel, device_type, table=name)
     sharding.check_world(world_size, table=name)
-    specs = table_specs(config, sharding, world_size, device_type)
+    specs = table_specs(
+        config, sharding, world_size, device_type, local_world_size=local_world_size
+    )
     if specs is None:
         _check_data_parallel(name, sharding, world_size)
         widths = [config.embedding_dim]
@@ -171,7 +203,14 @@ def _check_table(
                 f"table {name!r}: every column_wise block spans all {config.num_embeddings} rows; "
                 "use grid sharding to split rows too"
             )
-        _LAYOUT_CHECKS[kind](name, specs, world_size)
+        if kind in NODE_AWARE:
+            lws = resolve_local_world_size(world_size, local_world_size)
+            topology = NodeTopology(world_size, lws, 0)
+            check_node_layout(
+                kind, name, specs, (config.num_embeddings, config.embedding_dim), topology
+            )
+        else:
+            _LAYOUT_CHECKS[kind](name, specs, world_size)
         widths = [s.sizes[1] for s in specs]
     if kernel in _FUSED:
         odd = [w for w in widths if w % MIN_COLUMN_BLOCK]

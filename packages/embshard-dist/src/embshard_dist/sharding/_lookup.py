@@ -1,4 +1,7 @@
-"""The lookup half of a strategy: this rank's shards in grouped kernels, KJT in, pooled rows out.
+"""The lookup half of a strategy: this rank's shards in grouped kernels, KJT in, rows out.
+
+Pooled tables give pooled rows; the tables of an EmbeddingCollection (pooling NONE) give one row
+per id (the sequence strategies reuse this lookup).
 
 Guarantees: the kernels are grouped by :func:`~embshard_kernels.grouping.group_tables`, so
 :func:`kernel_feature_order` (computable on any rank for any rank's shards, without building a
@@ -20,16 +23,17 @@ from torch import Tensor, nn
 
 from embshard_dist.sharding.base import ShardingOptions
 from embshard_kernels.base import BaseBatchedEmbedding
-from embshard_kernels.dense import BatchedDenseEmbeddingBag
-from embshard_kernels.fused import BatchedFusedEmbeddingBag
+from embshard_kernels.dense import BatchedDenseEmbedding, BatchedDenseEmbeddingBag
+from embshard_kernels.fused import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
 from embshard_kernels.grouping import GroupedEmbeddingConfig, ShardedTableConfig, group_tables
+from embshard_kernels.lookup import arrange_pooled, split_pooled
 from embshard_kernels.tbe import Backend
 from embshard_kernels.torch_fused import TorchFusedTBE
 from embshard_optim.keyed import KeyedOptimizer
 from embshard_optim.sharded_state import StateFormat
 from embshard_types.shard_spec import ShardSpec
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
-from embshard_types.vocab import ComputeKernel
+from embshard_types.vocab import ComputeKernel, PoolingType
 
 _FUSED = (ComputeKernel.FUSED, ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 
@@ -58,14 +62,18 @@ def build_bag_kernel(
 ) -> BaseBatchedEmbedding:
     """The training kernel of one group of shards (weights left uninitialised).
 
+    Pooled groups get the bag kernels, sequence groups (pooling NONE) the sequence kernels.
+
     Raises:
         ValueError: the group's kernel is not a training kernel this package shards.
     """
     kernel = group.compute_kernel
     if kernel is ComputeKernel.DEFAULT:
         kernel = ComputeKernel.FUSED
+    sequence = group.pooling is PoolingType.NONE
     if kernel in _FUSED:
-        return BatchedFusedEmbeddingBag(
+        fused = BatchedFusedEmbedding if sequence else BatchedFusedEmbeddingBag
+        return fused(
             group,
             options.pg,
             options.device,
@@ -74,7 +82,8 @@ def build_bag_kernel(
             init_weights=False,
         )
     if kernel is ComputeKernel.DENSE:
-        return BatchedDenseEmbeddingBag(group, options.device, init_weights=False)
+        dense = BatchedDenseEmbedding if sequence else BatchedDenseEmbeddingBag
+        return dense(group, options.device, init_weights=False)
     raise ValueError(
         f"tables {group.table_names()}: compute kernel {kernel.value!r} cannot be sharded for "
         "training; use 'fused' or 'dense'"
@@ -125,14 +134,31 @@ class GroupedBagLookup(nn.Module):
         return list(self._order)
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
-        """``[batch, sum of local widths]``, column blocks in ``feature_names()`` order."""
+        """``[batch, sum of local widths]``, column blocks in ``feature_names()`` order.
+
+        Batch sizes that vary per feature: FBGEMM's flat layout over all the features (rank
+        by rank, then feature by feature, each block ``[batch of f on rank r, width of f]``).
+        Sequence tables: every feature's ``[ids, width]`` rows, flattened, one feature after
+        the other.
+        """
         if not self.kernels:
             return torch.zeros(
                 features.stride(), 0, device=self._device, requires_grad=torch.is_grad_enabled()
             )
         parts = features.split(self._sizes) if len(self._sizes) > 1 else [features]
         outputs = [kernel(part) for kernel, part in zip(self.kernels, parts, strict=True)]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if self._groups[0].pooling is PoolingType.NONE:
+            return torch.cat([out.reshape(-1) for out in outputs])
+        if len(outputs) == 1:
+            return outputs[0]
+        if not features.variable_stride_per_key():
+            return torch.cat(outputs, dim=1)
+        blocks = [
+            block
+            for out, group, part in zip(outputs, self._groups, parts, strict=True)
+            for block in split_pooled(out, group.embedding_dims(), part.stride_per_key_per_rank())
+        ]
+        return arrange_pooled(blocks, features.stride_per_key_per_rank())
 
     def local_weights(self) -> dict[str, tuple[nn.Parameter, ShardSpec]]:
         """Table -> its local shard's weight (a live view) and the shard's spec."""
@@ -156,4 +182,5 @@ class GroupedBagLookup(nn.Module):
 
     def fused_optimizers(self) -> list[KeyedOptimizer]:
         """The fused optimizers of the kernels that have one."""
-        return [k.fused_optimizer for k in self.kernels if isinstance(k, BatchedFusedEmbeddingBag)]
+        fused = (BatchedFusedEmbeddingBag, BatchedFusedEmbedding)
+        return [k.fused_optimizer for k in self.kernels if isinstance(k, fused)]

@@ -66,8 +66,15 @@ class RoutedInputDist(nn.Module):
             ValueError: a feature is missing from ``features`` (before any collective).
         """
         selected = self._select(features)
-        started = self._all_to_all(to_wire(selected))
-        return ReceivedFeatures(started, ctx, selected.stride(), self._world)
+        ctx.sent_features = to_wire(selected)
+        started = self._all_to_all(ctx.sent_features)
+        return ReceivedFeatures(
+            started,
+            ctx,
+            selected.stride(),
+            self._world,
+            variable_batch=selected.variable_stride_per_key(),
+        )
 
 
 class PooledOutputDist(nn.Module):

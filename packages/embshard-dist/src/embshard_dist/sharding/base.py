@@ -39,7 +39,7 @@ from embshard_kernels.grouping import ShardedTableConfig
 from embshard_optim.sharded_state import StateFormat
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
-from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.configs import EmbeddingBagConfig, EmbeddingConfig
 from embshard_types.parameter_sharding import ParameterSharding
 from embshard_types.shard_spec import ShardSpec
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
@@ -68,15 +68,30 @@ class ShardingStepContext:
     Attributes:
         batch_size_per_rank: every rank's local batch size (known once the features arrived).
         bag_lengths: row-wise MEAN pooling: this rank's bag sizes, ``[features, batch]``.
+        sent_features: the KJT this rank handed to the features' all-to-all (sequence output
+            dists read how many ids of each feature went to each rank).
+        unbucketize_permute: row-wise: position in the bucketized ids of each id of the
+            selected features (see :mod:`.bucketize`).
+        batch_size_per_feature_per_rank: batch sizes that vary per feature: per feature of
+            this rank's lookup input, its batch size on each rank.
+        input_features: batch sizes that vary per feature: the caller's batch.
     """
 
     batch_size_per_rank: list[int] | None = None
     bag_lengths: Tensor | None = None
+    sent_features: KeyedJaggedTensor | None = None
+    unbucketize_permute: Tensor | None = None
+    batch_size_per_feature_per_rank: list[list[int]] | None = None
+    input_features: KeyedJaggedTensor | None = None
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark the held tensors as used on ``stream``."""
-        if self.bag_lengths is not None:
-            self.bag_lengths.record_stream(stream)
+        for tensor in (self.bag_lengths, self.unbucketize_permute):
+            if tensor is not None:
+                tensor.record_stream(stream)
+        for kjt in (self.sent_features, self.input_features):
+            if kjt is not None:
+                kjt.record_stream(stream)
 
 
 @dataclass(frozen=True)
@@ -84,12 +99,12 @@ class BagTable:
     """One table of the collection and how the plan shards it.
 
     Args:
-        config: the user's table config.
+        config: the user's table config (pooled, or sequence for an EmbeddingCollection).
         sharding: the plan's entry for the table.
         specs: every shard of the table (``None`` for data-parallel: whole on every rank).
     """
 
-    config: EmbeddingBagConfig
+    config: EmbeddingBagConfig | EmbeddingConfig
     sharding: ParameterSharding
     specs: tuple[ShardSpec, ...] | None
 
@@ -231,20 +246,18 @@ class FeatureSelector:
     def __call__(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """This strategy's features out of ``features``.
 
+        Batch sizes may vary per feature (the sharded collections check that their strategies
+        support it before selecting).
+
         Raises:
-            ValueError: a feature is missing (named with its table), batch sizes vary per
-                feature, or a weighted collection gets no weights.
+            ValueError: a feature is missing (named with its table), or a weighted collection
+                gets no weights.
         """
         keys = tuple(features.keys())
         if keys not in self._cache:
             if len(self._cache) >= self._MAX_CACHED:
                 self._cache.clear()
             self._cache[keys] = self._plan(keys)
-        if features.variable_stride_per_key():
-            raise ValueError(
-                "a sharded EmbeddingBagCollection pools one row per sample for every feature, so "
-                f"all features need one batch size; got {features.stride_per_key()} for {keys}"
-            )
         if self._weighted and features.weights_or_none() is None and self._wanted:
             raise ValueError(
                 f"the collection is weighted (tables {sorted(set(self._tables.values()))}) but the "
@@ -285,7 +298,7 @@ def to_wire(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """``kjt`` with its batch size stated per key, so that the receivers learn every rank's.
 
     (A KJT all-to-all of KJTs with a stride per key and rank delivers, per key, the batch size
-    of each source rank.) No tensor is copied.
+    of each source rank.) Batch sizes that vary per key are kept. No tensor is copied.
     """
     keys = kjt.keys()
     return KeyedJaggedTensor(
@@ -293,7 +306,7 @@ def to_wire(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         kjt.values(),
         weights=kjt.weights_or_none(),
         lengths=kjt.lengths(),
-        stride_per_key_per_rank=[[kjt.stride()]] * len(keys),
+        stride_per_key_per_rank=[[s] for s in kjt.stride_per_key()],
         length_per_key=kjt.length_per_key_or_none(),
         allow_duplicate_keys=len(set(keys)) < len(keys),
     )
@@ -305,12 +318,16 @@ class ReceivedFeatures(Awaitable[Awaitable[KeyedJaggedTensor]]):
     The result is a plain KJT (batch = the sources' batches, in rank order) and the step's
     context learns every rank's batch size. A rank that receives no features cannot learn
     them and records its own batch size for every rank (nothing is sent to or from it).
+    With ``variable_batch`` (batch sizes that vary per feature, on every rank alike) the
+    result keeps, per key, the batch size of each source rank, and the context records them
+    (``batch_size_per_feature_per_rank``).
 
     Args:
         splits: the all-to-all's first phase (``KJTAllToAll(...)(to_wire(kjt))``).
         ctx: the step's context of this strategy.
         local_batch: this rank's batch size.
         world_size: ranks in the group.
+        variable_batch: the features' batch sizes vary per feature.
     """
 
     def __init__(
@@ -319,15 +336,20 @@ class ReceivedFeatures(Awaitable[Awaitable[KeyedJaggedTensor]]):
         ctx: ShardingStepContext,
         local_batch: int,
         world_size: int,
+        *,
+        variable_batch: bool = False,
     ) -> None:
         super().__init__()
         self._splits = splits
         self._ctx = ctx
         self._local_batch = local_batch
         self._world = world_size
+        self._variable = variable_batch
 
     def _wait_impl(self) -> Awaitable[KeyedJaggedTensor]:
-        return _ReceivedTensors(self._splits.wait(), self._ctx, self._local_batch, self._world)
+        return _ReceivedTensors(
+            self._splits.wait(), self._ctx, self._local_batch, self._world, self._variable
+        )
 
 
 class _ReceivedTensors(Awaitable[KeyedJaggedTensor]):
@@ -337,16 +359,30 @@ class _ReceivedTensors(Awaitable[KeyedJaggedTensor]):
         ctx: ShardingStepContext,
         local_batch: int,
         world_size: int,
+        variable_batch: bool,
     ) -> None:
         super().__init__()
         self._tensors = tensors
         self._ctx = ctx
         self._local_batch = local_batch
         self._world = world_size
+        self._variable = variable_batch
 
     def _wait_impl(self) -> KeyedJaggedTensor:
         received = self._tensors.wait()
         keys = received.keys()
+        if self._variable and keys:
+            per_rank = received.stride_per_key_per_rank()
+            self._ctx.batch_size_per_feature_per_rank = per_rank
+            return KeyedJaggedTensor(
+                keys,
+                received.values(),
+                weights=received.weights_or_none(),
+                lengths=received.lengths(),
+                stride_per_key_per_rank=per_rank,
+                length_per_key=received.length_per_key_or_none(),
+                allow_duplicate_keys=len(set(keys)) < len(keys),
+            )
         if not keys:  # nothing comes to or goes from this rank: any batch sizes fit
             self._ctx.batch_size_per_rank = [self._local_batch] * self._world
             return KeyedJaggedTensor(

@@ -32,6 +32,7 @@ from embshard_dist.comm.timeouts import issue
 from embshard_dist.sharding._lookup import GroupedBagLookup, kernel_feature_order
 from embshard_dist.sharding._route import PooledOutputDist, RoutedInputDist
 from embshard_dist.sharding.base import BagTable, ShardingOptions, shard_config
+from embshard_dist.sharding.nodes import subgroup
 from embshard_kernels.grouping import ShardedTableConfig
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimType
@@ -105,7 +106,7 @@ class CwSharding:
         self._by_feature = {f: t for t in self._tables for f in t.config.feature_names}
         # Process groups are made by every rank, in table order, whether it joins or not.
         self._groups = {
-            t.name: _new_group(options.pg, sorted(s.rank for s in t.specs or ()))
+            t.name: subgroup(options.pg, sorted(s.rank for s in t.specs or ()))
             for t in self._tables
             if self._needs_row_sums(t)
         }
@@ -123,6 +124,14 @@ class CwSharding:
 
     def embedding_dims(self) -> list[int]:
         return [self._by_feature[f].config.embedding_dim for f in self.feature_names()]
+
+    def features_per_rank(self) -> list[list[str]]:
+        """Per rank, the features its lookup takes, in order (one per block it holds)."""
+        return [list(features) for features in self._wire]
+
+    def tables_per_rank(self) -> list[list[ShardedTableConfig]]:
+        """Per rank, the column blocks its lookup holds."""
+        return [list(configs) for configs in self._per_rank]
 
     def shard_specs(self) -> dict[str, list[ShardSpec]]:
         return {t.name: list(t.specs or ()) for t in self._tables}
@@ -180,11 +189,3 @@ class CwSharding:
                 first = start[(feature, spec.offsets[1])]
                 columns.extend(range(first, first + spec.sizes[1]))
         return columns
-
-
-def _new_group(pg: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
-    """A process group over ``ranks`` of ``pg`` (created collectively by every rank)."""
-    global_ranks = [r if pg is None else dist.get_global_rank(pg, r) for r in ranks]
-    group = dist.new_group(ranks=global_ranks)
-    assert group is not None
-    return group

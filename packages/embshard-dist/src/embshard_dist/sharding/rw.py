@@ -83,11 +83,15 @@ class RwInputDist(nn.Module):
                 collective; the message names the feature and sample).
         """
         selected = self._select(features)
-        if self._keep_lengths:
+        variable = selected.variable_stride_per_key()
+        if self._keep_lengths and not variable:
             ctx.bag_lengths = selected.lengths().view(len(self._boundaries), selected.stride())
-        bucketized, _ = bucketize_kjt(selected, self._boundaries)
-        started = self._all_to_all(to_wire(bucketized))
-        return ReceivedFeatures(started, ctx, selected.stride(), self._world)
+        bucketized, ctx.unbucketize_permute = bucketize_kjt(selected, self._boundaries)
+        ctx.sent_features = to_wire(bucketized)
+        started = self._all_to_all(ctx.sent_features)
+        return ReceivedFeatures(
+            started, ctx, selected.stride(), self._world, variable_batch=variable
+        )
 
 
 class RwOutputDist(nn.Module):
@@ -149,9 +153,10 @@ class RwSharding:
         self._local = []
         for table in self._tables:
             assert table.specs is not None and len(table.specs) == options.world_size
-            self._local.append(
-                shard_config(table, table.specs[rank], options, pooling=PoolingType.SUM)
-            )
+            # MEAN looks up sums (divided after the reduce-scatter); sequences stay unpooled.
+            sequence = table.config.pooling is PoolingType.NONE
+            pooling = None if sequence else PoolingType.SUM
+            self._local.append(shard_config(table, table.specs[rank], options, pooling=pooling))
         self._features = kernel_feature_order(self._local)
         by_feature = {f: t for t in self._tables for f in t.config.feature_names}
         self._by_feature = by_feature

@@ -56,6 +56,14 @@ class TwSharding:
     def embedding_dims(self) -> list[int]:
         return [self._dims[f] for f in self.feature_names()]
 
+    def features_per_rank(self) -> list[list[str]]:
+        """Per rank, the features its lookup takes, in order."""
+        return [list(features) for features in self._wire]
+
+    def tables_per_rank(self) -> list[list[ShardedTableConfig]]:
+        """Per rank, the shards its lookup holds."""
+        return [list(configs) for configs in self._per_rank]
+
     def shard_specs(self) -> dict[str, list[ShardSpec]]:
         return {t.name: list(t.specs or ()) for t in self._tables}
 

@@ -1,0 +1,182 @@
+"""All-to-all of sequence embeddings: rows of looked-up ids back to the ranks whose ids they are.
+
+After the input all-to-all, rank ``s`` looked up ids that came from every rank. This collective
+sends to rank ``r`` the ``input_splits[r]`` leading entries of ``local_embs`` that belong to
+rank ``r`` (the input is already ordered by destination: first the entries for rank 0, then
+rank 1...), and rank ``r`` receives ``output_splits[s]`` entries from every ``s`` and stacks
+them in source-rank order. Entries are the leading dimension of the tensor: rows of a
+``[ids, dim]`` tensor, or elements of a flat 1-D payload (which lets rows of different widths
+travel together; the sharded sequence collections send flat payloads).
+
+Every rank must pass splits that agree: ``input_splits[r]`` on rank ``s`` equals
+``output_splits[s]`` on rank ``r``, and the trailing shape (``local_embs.shape[1:]``) is the
+same on every rank. (TorchRec's ``SequenceEmbeddingsAllToAll`` also permutes the rows; here the
+permutations live in the output dists, which know the features' layout.)
+
+Guarantees:
+    * exact: without a codec the output holds the very bits of the input entries, in the
+      order they were sent;
+    * differentiable: the backward pass is the reverse all-to-all of the output's gradient;
+    * codecs: ``codecs.forward`` encodes what is sent in the forward pass and decodes what
+      arrives, ``codecs.backward`` the same for gradients; each per-peer chunk is coded on its
+      own (see ``_codec``), so empty chunks cost nothing;
+    * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
+      ``CollectiveError`` naming ``sequence_all_to_all.forward`` or ``.backward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from embshard_dist.comm._async_autograd import CollectiveAwaitable
+from embshard_dist.comm._codec import ChunkCodec
+from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+from embshard_types.awaitables import Awaitable
+from embshard_types.comm_codec import QuantizedCommCodecs
+
+__all__ = ["SequenceEmbeddingsAllToAll"]
+
+NAME = "sequence_all_to_all"
+
+
+class _SequenceAllToAllOp:
+    """One call: forward sends entries to their ranks, backward sends the gradients back."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        input_splits: list[int],
+        output_splits: list[int],
+        codecs: QuantizedCommCodecs | None,
+        timeout: Timeout,
+    ) -> None:
+        self._group = group
+        self._input_splits = input_splits
+        self._output_splits = output_splits
+        self._codecs = codecs
+        self._timeout = timeout
+        self._trailing: tuple[int, ...] = ()
+        self._pending: PendingCollective | None = None
+        self._recv: Tensor | None = None
+        self._coder: ChunkCodec | None = None
+        self._recv_counts: list[int] = []
+
+    def _entry_numel(self) -> int:
+        numel = 1
+        for size in self._trailing:
+            numel *= size
+        return numel
+
+    def _exchange(
+        self, payload: Tensor, send_counts: list[int], recv_counts: list[int], direction: str
+    ) -> None:
+        codec = None
+        if self._codecs is not None:
+            codec = self._codecs.forward if direction == "forward" else self._codecs.backward
+        coder = ChunkCodec(codec, payload.dtype)
+        wire = [coder.encode(chunk) for chunk in payload.split(send_counts, dim=0)]
+        send = torch.cat(wire) if wire else payload.new_empty(0, dtype=coder.wire_dtype)
+        per_entry = self._entry_numel()
+        recv_sizes = [coder.wire_size(n * per_entry) for n in recv_counts]
+        recv = send.new_empty(sum(recv_sizes))
+        send_sizes = [w.numel() for w in wire]
+        self._pending = issue(
+            f"{NAME}.{direction}",
+            lambda: dist.all_to_all_single(
+                recv, send, recv_sizes, send_sizes, group=self._group, async_op=True
+            ),
+            group=self._group,
+            timeout=self._timeout,
+            device=send.device,
+        )
+        self._recv, self._coder, self._recv_counts = recv, coder, recv_counts
+
+    def _received(self) -> Tensor:
+        assert self._pending is not None and self._recv is not None and self._coder is not None
+        self._pending.wait()
+        coder, counts = self._coder, self._recv_counts
+        per_entry = self._entry_numel()
+        parts = self._recv.split([coder.wire_size(n * per_entry) for n in counts])
+        decoded = [
+            coder.decode(part, (n, *self._trailing)) for part, n in zip(parts, counts, strict=True)
+        ]
+        self._pending = self._recv = self._coder = None
+        if not decoded:
+            return torch.empty((0, *self._trailing), dtype=coder.payload_dtype)
+        return torch.cat(decoded, dim=0)
+
+    def start_forward(self, input: Tensor) -> None:
+        self._trailing = tuple(input.shape[1:])
+        self._exchange(input.contiguous(), self._input_splits, self._output_splits, "forward")
+
+    def finish_forward(self) -> Tensor:
+        return self._received()
+
+    def start_backward(self, grad_output: Tensor) -> None:
+        self._exchange(grad_output, self._output_splits, self._input_splits, "backward")
+
+    def finish_backward(self) -> Tensor:
+        return self._received()
+
+
+class SequenceEmbeddingsAllToAll(nn.Module):
+    """All-to-all of sequence embeddings (see the module docstring for the layout).
+
+    Args:
+        pg: the process group (``None``: the default group).
+        device: unused on CPU; kept for TorchRec's signature (tensors stay on their device).
+        codecs: forward / backward codecs for the payload (``None``: sent as it is).
+        timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None = None,
+        codecs: QuantizedCommCodecs | None = None,
+        timeout: Timeout = None,
+    ) -> None:
+        super().__init__()
+        self._pg = pg
+        self._world = dist.get_world_size(pg)
+        self._rank = dist.get_rank(pg)
+        self._device = device
+        self._codecs = codecs
+        self._timeout = timeout
+
+    def forward(
+        self, local_embs: Tensor, input_splits: Sequence[int], output_splits: Sequence[int]
+    ) -> Awaitable[Tensor]:
+        """Start the all-to-all; the awaitable's ``wait()`` gives ``[sum(output_splits), ...]``.
+
+        Args:
+            local_embs: ``[sum(input_splits), ...]``: the entries for rank 0, then rank 1...
+            input_splits: entries sent to each rank.
+            output_splits: entries received from each rank.
+
+        Raises:
+            ValueError: the splits do not list one non-negative count per rank, or
+                ``input_splits`` does not add up to the entries of ``local_embs``.
+        """
+        where = f"{NAME} on rank {self._rank}"
+        if local_embs.dim() == 0:
+            raise ValueError(f"{where}: local_embs must have a leading dimension, got a scalar")
+        sends = [int(n) for n in input_splits]
+        recvs = [int(n) for n in output_splits]
+        for name, splits in (("input_splits", sends), ("output_splits", recvs)):
+            if len(splits) != self._world or any(n < 0 for n in splits):
+                raise ValueError(
+                    f"{where}: {name} {splits} must list one non-negative count per rank of the "
+                    f"group ({self._world} ranks)"
+                )
+        if sum(sends) != local_embs.shape[0]:
+            raise ValueError(
+                f"{where}: input_splits {sends} add up to {sum(sends)} but local_embs has "
+                f"{local_embs.shape[0]} entries"
+            )
+        op = _SequenceAllToAllOp(self._pg, sends, recvs, self._codecs, self._timeout)
+        return CollectiveAwaitable(op, local_embs)

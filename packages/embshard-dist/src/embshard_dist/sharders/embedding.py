@@ -1,0 +1,182 @@
+"""EmbeddingCollectionSharder: shards an EmbeddingCollection and tells planners what it can.
+
+Guarantees: ``sharding_types`` and ``compute_kernels`` list only what
+:class:`~embshard_dist.sharded.embedding.ShardedEmbeddingCollection` runs on the device
+(data-parallel, table-, row- and column-wise; fused kernels, dense ones except for
+data-parallel tables, UVM kernels on CUDA only); ``check_plan`` raises a ``ValueError`` naming
+the table for any plan the sharded module would refuse, and ``shard`` runs it before building
+anything or contacting any rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from embshard_dist.sharded.embedding import SEQUENCE_STRATEGIES, ShardedEmbeddingCollection
+from embshard_dist.sharded.embedding_bag import supported_kernels
+from embshard_dist.sharders.plan_checks import check_plan
+from embshard_kernels.collections import EmbeddingCollection
+from embshard_kernels.fused_params import FusedParams
+from embshard_optim.specs import OptimizerSpec
+from embshard_types.comm_codec import QuantizedCommCodecs
+from embshard_types.env import ShardingEnv
+from embshard_types.interfaces import ModuleSharder
+from embshard_types.plan import EmbeddingModuleShardingPlan
+from embshard_types.vocab import ComputeKernel, ShardingType
+
+__all__ = ["EmbeddingCollectionSharder"]
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
+    """Shards ``EmbeddingCollection`` modules (sequence embeddings).
+
+    Args:
+        optimizer: the fused optimizer of the sharded tables (default: that of
+            ``fused_params``, else the one each collection was built with).
+        fused_params: fused-kernel options (output dtype, bounds check, cache).
+        qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value (the sequence
+            all-to-all reads ``sequence_embeddings_all_to_all``).
+    """
+
+    def __init__(
+        self,
+        optimizer: OptimizerSpec | None = None,
+        fused_params: FusedParams | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(qcomm_codecs_registry)
+        if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
+            raise TypeError(
+                f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}; build one "
+                "with OptimizerSpec.from_name(...) or OptimizerSpec.from_torch(...)"
+            )
+        if fused_params is not None and not isinstance(fused_params, FusedParams):
+            raise TypeError(
+                f"fused_params must be FusedParams, got {type(fused_params).__name__}; "
+                "convert a dict with FusedParams.from_dict(...)"
+            )
+        self._optimizer = optimizer
+        self._fused_params = fused_params
+
+    @property
+    def optimizer(self) -> OptimizerSpec | None:
+        return self._optimizer
+
+    @property
+    def fused_params(self) -> FusedParams | None:
+        return self._fused_params
+
+    @property
+    def module_type(self) -> type[EmbeddingCollection]:
+        return EmbeddingCollection
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+        path: str = "",
+    ) -> ShardedEmbeddingCollection:
+        """Build the sharded collection (this rank's shards, weights copied or drawn).
+
+        Args:
+            module: the collection (materialised, or on ``meta``).
+            params: the sharding of each of its tables.
+            env: the ranks to shard over.
+            device: this rank's compute device (default: the CPU).
+            module_fqn: the module's path in the model (same as ``path``).
+            path: the module's path in the model, for messages.
+
+        Raises:
+            TypeError / ValueError: the plan does not fit (see :meth:`check_plan`); raised on
+                every rank alike, before any collective.
+        """
+        if not isinstance(module, EmbeddingCollection):
+            raise TypeError(
+                f"EmbeddingCollectionSharder shards EmbeddingCollection modules, got "
+                f"{type(module).__name__} at {path or module_fqn or 'the root'!r}"
+            )
+        return ShardedEmbeddingCollection(
+            module,
+            params,
+            env,
+            device,
+            optimizer=self._optimizer,
+            fused_params=self._fused_params,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            path=path or module_fqn or "",
+        )
+
+    def shardable_parameters(self, module: EmbeddingCollection) -> dict[str, nn.Parameter]:
+        """Table name -> its weight."""
+        prefix = "embeddings."
+        return {
+            name[len(prefix) : -len(".weight")]: p
+            for name, p in module.named_parameters()
+            if name.startswith(prefix) and name.endswith(".weight")
+        }
+
+    def sharding_types(self, compute_device_type: str) -> list[ShardingType]:
+        """Data-parallel, table-, row- and column-wise (on ``cpu`` and ``cuda``).
+
+        Raises:
+            ValueError: an unknown device type.
+        """
+        _check_device(compute_device_type)
+        return list(SEQUENCE_STRATEGIES)
+
+    def compute_kernels(
+        self, sharding_type: ShardingType | str, compute_device_type: str
+    ) -> list[ComputeKernel]:
+        """Kernels the sharded collection runs for ``sharding_type`` on the device.
+
+        Raises:
+            ValueError: an unknown device type or sharding type.
+        """
+        _check_device(compute_device_type)
+        kind = ShardingType.parse(sharding_type, what="compute_kernels")
+        if kind not in SEQUENCE_STRATEGIES:
+            return []
+        return supported_kernels(kind, compute_device_type)
+
+    def check_plan(
+        self,
+        module: EmbeddingCollection,
+        params: Any,
+        env: ShardingEnv,
+        device_type: str,
+        path: str = "",
+    ) -> None:
+        """Raise unless ``params`` can shard ``module`` over ``env`` on ``device_type``.
+
+        See :mod:`embshard_dist.sharders.plan_checks` for the list of checks.
+
+        Raises:
+            TypeError: ``params`` is not an ``EmbeddingModuleShardingPlan``.
+            ValueError: the first problem, naming the module path and the table.
+        """
+        _check_device(device_type)
+        check_plan(
+            module.embedding_configs(),
+            params,
+            env.world_size,
+            device_type,
+            path=path,
+            sharding_types=self.sharding_types(device_type),
+            compute_kernels=lambda kind: self.compute_kernels(kind, device_type),
+            module_kind="EmbeddingCollection",
+        )
+
+
+def _check_device(device_type: str) -> None:
+    if device_type not in _DEVICE_TYPES:
+        raise ValueError(
+            f"unknown compute device type {device_type!r}; expected one of {list(_DEVICE_TYPES)}"
+        )

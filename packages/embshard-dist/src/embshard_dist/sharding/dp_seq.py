@@ -1,0 +1,61 @@
+"""Data-parallel sharding of sequence tables: every rank holds every table whole.
+
+Composed from :class:`~embshard_dist.sharding.dp.DpSharding`: its input dist (select the
+features, no communication) and its lookup (embshard's torch kernels, whose backward exchanges
+the touched rows' gradients between the replicas); the output dist only divides the gradient by
+the world size (:class:`~embshard_dist.sharding.sequence.DpSequenceOutputDist`).
+
+Math: every rank applies the same sparse update to the same rows with the gradients of all
+ranks summed in rank order, so the replicas stay identical and equal the unsharded collection
+stepped with ``L = (1/N) * sum_i L_i`` (see :mod:`.dp`); the forward is a plain lookup (exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from embshard_dist.sharding._lookup import GroupedBagLookup
+from embshard_dist.sharding.base import BagTable, ShardingOptions
+from embshard_dist.sharding.dp import DpSharding
+from embshard_dist.sharding.sequence import DpSequenceOutputDist
+from embshard_types.vocab import ShardingType
+
+__all__ = ["DpSequenceSharding"]
+
+
+class DpSequenceSharding:
+    """Data-parallel sharding of sequence ``tables`` (replicated whole on every rank).
+
+    Args:
+        tables: the data-parallel tables, in the collection's order.
+        options: where to run and how to build kernels.
+    """
+
+    sharding_type = ShardingType.DATA_PARALLEL
+
+    def __init__(self, tables: Sequence[BagTable], options: ShardingOptions) -> None:
+        self._pooled = DpSharding(tables, options)
+        self._options = options
+
+    def feature_names(self) -> list[str]:
+        """Features in the kernels' order."""
+        return self._pooled.feature_names()
+
+    def shard_specs(self) -> None:
+        """None: every rank holds every table whole."""
+        return None
+
+    def create_input_dist(self) -> nn.Module:
+        return self._pooled.create_input_dist()
+
+    def create_lookup(self) -> GroupedBagLookup:
+        return self._pooled.create_lookup()
+
+    def create_output_dist(self) -> nn.Module:
+        return DpSequenceOutputDist(
+            self._pooled.feature_names(),
+            self._pooled.embedding_dims(),
+            self._options.world_size,
+        )
