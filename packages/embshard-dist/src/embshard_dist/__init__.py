@@ -22,23 +22,29 @@ if TYPE_CHECKING:
         get_qcomm_codecs_registry,
     )
     from embshard_dist.comm.timeouts import CollectiveError
+    from embshard_dist.dmp.collection import DMPCollection
     from embshard_dist.model_parallel import DistributedModelParallel
     from embshard_dist.planner.constraints import ParameterConstraints
     from embshard_dist.planner.planner import EmbeddingShardingPlanner
     from embshard_dist.planner.simple import SimplePlanner
     from embshard_dist.planner.topology import Topology
+    from embshard_dist.sharded.embedding import ShardedEmbeddingCollection
     from embshard_dist.sharded.embedding_bag import ShardedEmbeddingBagCollection
+    from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
     from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
 
 _LAZY: dict[str, str] = {
     "CollectiveError": "embshard_dist.comm.timeouts",
     "CommsPrecision": "embshard_dist.comm.qcomms",
+    "DMPCollection": "embshard_dist.dmp.collection",
     "DistributedModelParallel": "embshard_dist.model_parallel",
+    "EmbeddingCollectionSharder": "embshard_dist.sharders.embedding",
     "EmbeddingBagCollectionSharder": "embshard_dist.sharders.embedding_bag",
     "EmbeddingShardingPlanner": "embshard_dist.planner.planner",
     "ParameterConstraints": "embshard_dist.planner.constraints",
     "QCommsConfig": "embshard_dist.comm.qcomms",
     "ShardedEmbeddingBagCollection": "embshard_dist.sharded.embedding_bag",
+    "ShardedEmbeddingCollection": "embshard_dist.sharded.embedding",
     "SimplePlanner": "embshard_dist.planner.simple",
     "Topology": "embshard_dist.planner.topology",
     "get_qcomm_codecs": "embshard_dist.comm.qcomms",
@@ -48,12 +54,15 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "CollectiveError",
     "CommsPrecision",
+    "DMPCollection",
     "DistributedModelParallel",
+    "EmbeddingCollectionSharder",
     "EmbeddingBagCollectionSharder",
     "EmbeddingShardingPlanner",
     "ParameterConstraints",
     "QCommsConfig",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "SimplePlanner",
     "Topology",
     "get_qcomm_codecs",
