@@ -1,0 +1,221 @@
+"""The side-by-side driver: embshard against TorchRec, W1 / W2, every sharding type and a mixed plan.
+
+For each (workload, plan) it spawns ``--world-size`` gloo processes (one thread each) that hold
+BOTH libraries' models and alternate their steps (``worker``); then, unless ``--no-memory``, one
+more group of processes per library that builds that library alone, for its peak RSS per rank.
+Figures: the slowest rank's median ms per step, the ratio embshard / TorchRec, peak RSS per rank.
+
+Usage::
+
+    python -m benchmarks.compare.run [--workload W1 W2] [--plans row_wise mixed ...]
+        [--steps 20] [--warmup 5] [--quick] [--no-memory] [--contenders torchrec]
+        [--world-size 2] [--local-size 1] [--out benchmarks/results/compare]
+
+``--local-size``: ranks per node (default: all ranks on one node; 1 simulates one node per
+rank, which gives table-row-wise and grid plans their multi-node layouts). A plan embshard
+cannot run yet is timed for TorchRec alone, with a note naming what embshard lacks. Exit status
+1 when any configuration failed (including the forward check).
+``--quick``: the minimum counts benchmarks.md allows (10 timed steps after 3 warm-up), 2 steps
+for the memory runs. Results go to ``<out>/compare-<time>.json`` and ``.png`` (and
+``latest.json`` / ``latest.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from benchmarks.compare import report
+from benchmarks.compare.plans import PLAN_KINDS, describe, make_plan
+from benchmarks.compare.worker import Job, run_rank
+from benchmarks.compare.workloads import WORKLOADS, get
+
+CONTENDERS = ("embshard", "torchrec")
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "compare"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(job: Job, world: int) -> tuple[list[dict[str, Any]], str | None]:
+    """Run ``job`` on ``world`` fresh processes; each rank's result and the error, if any."""
+    with tempfile.TemporaryDirectory(prefix="embshard-compare-") as tmp:
+        job = Job(**{**job.__dict__, "out_dir": tmp})
+        error = None
+        try:
+            mp.spawn(run_rank, args=(world, _free_port(), job), nprocs=world, join=True)
+        except Exception as e:  # a rank raised: keep what the ranks wrote, report the error
+            error = (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            )
+        ranks = []
+        for r in range(world):
+            p = Path(tmp, f"rank{r}.json")
+            ranks.append(json.loads(p.read_text()) if p.exists() else {"rank": r})
+    return ranks, error
+
+
+def embshard_missing(sharding_types: set[str]) -> str | None:
+    """Why embshard cannot run these sharding types on the CPU, or ``None`` when it can."""
+    try:
+        from benchmarks.compare.embshard_side import missing
+    except ImportError as e:
+        return f"embshard is not importable here ({e})"
+    return missing(sharding_types)
+
+
+def _environment(args: argparse.Namespace) -> dict[str, Any]:
+    import platform
+    from importlib import metadata
+
+    versions = {}
+    for dist_name in (
+        "torch",
+        "fbgemm-gpu-cpu",
+        "fbgemm-gpu",
+        "torchrec",
+        "embshard-types",
+        "embshard-optim",
+        "embshard-kernels",
+        "embshard-dist",
+    ):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[dist_name] = metadata.version(dist_name)
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "threads_per_rank": args.threads,
+        "world_size": args.world_size,
+        "local_size": args.local_size or args.world_size,
+        "backend": "gloo",
+        "optimizer": "RowWiseAdagrad (FBGEMM EXACT_ROWWISE_ADAGRAD) fused in backward, lr 0.01, eps 1e-8",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "load_average_start": os.getloadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--plans", nargs="+", default=list(PLAN_KINDS), choices=list(PLAN_KINDS))
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (>= 10)")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (>= 3)")
+    parser.add_argument("--quick", action="store_true", help="10 timed steps after 3 warm-up")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-library RSS runs")
+    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--local-size", type=int, default=0, help="ranks per node (default: all on one node)"
+    )
+    parser.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS), help=f"default: {RESULTS}")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.memory_steps = 10, 3, 2
+    if args.steps < 10 or args.warmup < 3:
+        parser.error("benchmarks.md asks for >= 10 timed steps after >= 3 warm-up steps")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+
+    env = _environment(args)
+    print(report.header(env), flush=True)
+    rows: list[dict[str, Any]] = []
+    for wl in args.workload:
+        for kind in args.plans:
+            contenders = list(args.contenders)
+            notes: list[str] = []
+            row: dict[str, Any] = {"workload": wl, "plan": kind, "notes": notes}
+            try:
+                row["tables_per_type"] = describe(
+                    make_plan(kind, get(wl), args.world_size, args.local_size or None)
+                )
+            except ValueError as e:
+                row["error"] = f"no {kind} plan for {wl} on {args.world_size} ranks: {e}"
+                rows.append(row)
+                print(report.row_line(row), flush=True)
+                continue
+            if (
+                "embshard" in contenders
+                and (why := embshard_missing(set(row["tables_per_type"]))) is not None
+            ):
+                contenders.remove("embshard")
+                notes.append(f"embshard skipped: {why}")
+                print(f"note: {wl} {kind}: embshard skipped: {why}", flush=True)
+            if not contenders:
+                rows.append(row)
+                continue
+            job = Job(
+                workload=wl,
+                plan=kind,
+                contenders=tuple(contenders),
+                steps=args.steps,
+                warmup=args.warmup,
+                threads=args.threads,
+                num_batches=args.batches,
+                tolerance=args.tolerance,
+                seed=args.seed,
+                out_dir="",
+                local_size=args.local_size,
+            )
+            started = time.perf_counter()
+            ranks, error = spawn(job, args.world_size)
+            row.update(report.summarize_timing(ranks, contenders))
+            if error:
+                row["error"] = row.get("error") or error
+            if not args.no_memory and "error" not in row:
+                for name in contenders:
+                    mem_job = Job(
+                        **{
+                            **job.__dict__,
+                            "contenders": (name,),
+                            "memory_only": True,
+                            "steps": args.memory_steps,
+                            "warmup": 0,
+                        }
+                    )
+                    mem_ranks, mem_error = spawn(mem_job, args.world_size)
+                    row.setdefault("peak_rss_mb", {})[name] = [
+                        r.get("peak_rss_mb") for r in mem_ranks
+                    ]
+                    row.setdefault("rss_before_build_mb", {})[name] = [
+                        r.get("rss_before_build_mb") for r in mem_ranks
+                    ]
+                    if mem_error:
+                        row["notes"].append(f"{name} memory run failed: {mem_error}")
+            row["wall_s"] = round(time.perf_counter() - started, 1)
+            rows.append(row)
+            print(report.row_line(row), flush=True)
+    env["load_average_end"] = os.getloadavg()
+    result = {"environment": env, "results": rows}
+    paths = report.write(result, Path(args.out))
+    print()
+    print(report.table(result))
+    for p in paths:
+        print(f"wrote {p}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
