@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a small DLRM on synthetic clicks across local processes"),
     "plan": ("plan", "plan the sharding of a table spec and print the plan's stats table"),
     "calibrate": ("calibrate", "measure this machine and write the planner's topology file"),
+    "checkpoint": ("checkpoint", "inspect, export (unsharded) and import training checkpoints"),
 }
 
 

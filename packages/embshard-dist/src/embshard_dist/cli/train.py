@@ -11,7 +11,14 @@ it works without a terminal: steps/s and the loss averaged over the ranks and th
 and a summary: throughput (samples/s over every rank, after the first step), peak resident
 memory per rank (``getrusage``), and the loss of the final steps against the first ones.
 ``--json PATH`` also writes the summary as JSON. Exit status: 0 on success, 2 for bad options
-(or a plan that does not fit), else the failing rank's code.
+(or a plan that does not fit, or a checkpoint that does not fit the model), else the failing
+rank's code.
+
+Checkpoints: ``--checkpoint-dir DIR --save-every K`` saves the whole training state every K
+steps into ``DIR/step-NNNNNNNN`` (atomically; ``DIR/latest`` names the newest, the two newest
+are kept; ``--async-save`` writes in the background); ``--resume DIR`` loads a checkpoint (or
+a directory's latest) and continues from its step up to ``--steps``, on any number of
+processes and under any plan (the checkpoint is resharded).
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ class TrainConfig:
     log_every: int = 0
     device: str = "auto"
     json_path: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    async_save: bool = False
+    resume: str | None = None
 
     @property
     def table_names(self) -> list[str]:
@@ -107,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_positive, default=None, help="steps per progress line")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary here")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints into this directory")
+    p.add_argument("--save-every", type=_positive, default=None, help="steps between checkpoints")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    p.add_argument("--resume", default=None, help="resume from this checkpoint (or its latest)")
     return p
 
 
@@ -135,6 +150,10 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
                     f"(--tables {args.tables})"
                 )
         OptimizerSpec.from_name(args.optimizer, lr=args.lr)
+        if (args.checkpoint_dir is None) != (args.save_every is None):
+            raise ValueError("--checkpoint-dir and --save-every go together: give both or neither")
+        if args.async_save and args.checkpoint_dir is None:
+            raise ValueError("--async-save needs --checkpoint-dir and --save-every")
     except ValueError as e:
         parser.error(str(e))
     return TrainConfig(
@@ -151,6 +170,10 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
         log_every=args.log_every or 0,
         device=args.device,
         json_path=args.json_path,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every or 0,
+        async_save=args.async_save,
+        resume=args.resume,
     )
 
 
@@ -224,27 +247,34 @@ def train_rank(config: TrainConfig) -> int:
         f"{config.tables} tables of {config.rows} x {config.dim}\n\n{plan}\n",
     )
     optimizer = dmp.optimizer()
+    start = _resume(dmp, config, rank)
+    if start < 0:
+        return 2
+    if start >= config.steps:
+        _say(rank, f"embshard train: the checkpoint is at step {start}; --steps {config.steps}")
+        return 0
     data = SyntheticClicks(tables, batch_size=config.batch_size, seed=config.seed)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    losses = torch.zeros(config.steps, dtype=torch.float64, device=device)
+    losses = torch.zeros(config.steps - start, dtype=torch.float64, device=device)
     window, started, last = config.window, time.perf_counter(), time.perf_counter()
     after_first = started
-    for step in range(config.steps):
+    for step in range(start, config.steps):
         batch = data.batch(step, rank, world)
         logits = dmp(batch.dense.to(device), batch.sparse.to(device))
         loss = loss_fn(logits, batch.labels.to(device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses[step] = loss.detach()
-        if step == 0:
+        losses[step - start] = loss.detach()
+        if step == start:
             after_first = time.perf_counter()
         done = step + 1
+        _checkpoint(dmp, config, rank, done)
         if done % window == 0 or done == config.steps:
-            lo = done - (done - 1) % window - 1
-            mean = all_reduce(losses[lo:done].sum().reshape(1), name="train.loss") / (
-                world * (done - lo)
-            )
+            lo = max(done - (done - 1) % window - 1, start)
+            mean = all_reduce(
+                losses[lo - start : done - start].sum().reshape(1), name="train.loss"
+            ) / (world * (done - lo))
             now = time.perf_counter()
             rate = (done - lo) / max(now - last, 1e-9)
             last = now
@@ -254,17 +284,23 @@ def train_rank(config: TrainConfig) -> int:
                 f"{rate:7.1f} steps/s | loss {float(mean):.4f}",
             )
     elapsed = time.perf_counter() - after_first
+    if config.checkpoint_dir is not None:
+        from embshard_dist.checkpoint.save import wait_for_pending_save
+
+        wait_for_pending_save()
     all_reduce(losses, name="train.losses")
     curve = (losses / world).tolist()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peaks = [row[0] for row in all_gather_ints([peak_kib], name="train.peak_rss")]
-    timed_steps = config.steps - 1 if config.steps > 1 else 1
-    if config.steps == 1:
+    ran = config.steps - start
+    timed_steps = ran - 1 if ran > 1 else 1
+    if ran == 1:
         elapsed = after_first - started
     summary = {
         "world_size": world,
         "device": device.type,
-        "steps": config.steps,
+        "steps": ran,
+        "first_step": start,
         "batch_size_per_rank": config.batch_size,
         "seconds": elapsed,
         "steps_per_s": timed_steps / max(elapsed, 1e-9),
@@ -282,6 +318,36 @@ def train_rank(config: TrainConfig) -> int:
             with open(config.json_path, "w") as f:
                 json.dump(summary, f, indent=2)
     return 0
+
+
+def _resume(dmp: Any, config: TrainConfig, rank: int) -> int:
+    """Load ``--resume``'s checkpoint; the step to start from (``-1``: refused, said why)."""
+    if config.resume is None:
+        return 0
+    from embshard_dist.checkpoint.load import load_checkpoint
+
+    try:
+        result = load_checkpoint(dmp, config.resume)
+    except ValueError as e:
+        _say(rank, f"embshard train: error: {e}")
+        return -1
+    _say(
+        rank,
+        f"resumed from {result.path} at step {result.step} (saved by "
+        f"{result.saved_world_size} processes)",
+    )
+    return result.step
+
+
+def _checkpoint(dmp: Any, config: TrainConfig, rank: int, done: int) -> None:
+    """Save after step ``done`` when ``--save-every`` says so."""
+    if config.checkpoint_dir is None or done % config.save_every:
+        return
+    from embshard_dist.checkpoint.save import save_to_directory
+
+    handle = save_to_directory(dmp, config.checkpoint_dir, step=done, async_save=config.async_save)
+    how = "saving in the background to" if config.async_save else "saved"
+    _say(rank, f"checkpoint: {how} {handle.path}")
 
 
 def _print_summary(s: dict[str, Any], window: int) -> None:

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec
-from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+from embshard_dist.comm._exchange import decode_chunks, start_all_to_all
+from embshard_dist.comm.timeouts import PendingCollective, Timeout
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 
@@ -66,30 +67,23 @@ class _PooledAllToAllOp:
         recv_shapes: list[tuple[int, int]],
         coder: ChunkCodec,
         direction: str,
+        like: Tensor,
     ) -> None:
-        wire = [coder.encode(c) for c in chunks]
-        send = torch.cat(wire) if wire else torch.empty(0, dtype=coder.wire_dtype)
-        recv_sizes = [coder.wire_size(b * d) for b, d in recv_shapes]
-        recv = send.new_empty(sum(recv_sizes))
-        send_sizes = [w.numel() for w in wire]
-        self._pending = issue(
+        self._pending, self._recv = start_all_to_all(
             f"{NAME}.{direction}",
-            lambda: dist.all_to_all_single(
-                recv, send, recv_sizes, send_sizes, group=self._group, async_op=True
-            ),
+            chunks,
+            [b * d for b, d in recv_shapes],
+            coder,
+            like,
             group=self._group,
             timeout=self._timeout,
-            device=send.device,
         )
-        self._recv, self._coder, self._recv_shapes = recv, coder, recv_shapes
+        self._coder, self._recv_shapes = coder, recv_shapes
 
     def _received(self) -> list[Tensor]:
         assert self._pending is not None and self._recv is not None and self._coder is not None
         self._pending.wait()
-        coder, shapes = self._coder, self._recv_shapes
-        sizes = [coder.wire_size(b * d) for b, d in shapes]
-        parts = self._recv.split(sizes)
-        out = [coder.decode(p, s) for p, s in zip(parts, shapes, strict=True)]
+        out = decode_chunks(self._recv, self._coder, self._recv_shapes)
         self._pending = self._recv = self._coder = None
         return out
 
@@ -97,7 +91,7 @@ class _PooledAllToAllOp:
         chunks = list(input.split(self._batches, dim=0))
         coder = ChunkCodec(self._codecs.forward if self._codecs else None, input.dtype)
         recv_shapes = [(self._batches[self._rank], d) for d in self._dims]
-        self._exchange(chunks, recv_shapes, coder, "forward")
+        self._exchange(chunks, recv_shapes, coder, "forward", input)
 
     def finish_forward(self) -> Tensor:
         return torch.cat(self._received(), dim=1)
@@ -106,7 +100,7 @@ class _PooledAllToAllOp:
         chunks = [c.contiguous() for c in grad_output.split(self._dims, dim=1)]
         coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
         recv_shapes = [(b, self._dims[self._rank]) for b in self._batches]
-        self._exchange(chunks, recv_shapes, coder, "backward")
+        self._exchange(chunks, recv_shapes, coder, "backward", grad_output)
 
     def finish_backward(self) -> Tensor:
         return torch.cat(self._received(), dim=0)

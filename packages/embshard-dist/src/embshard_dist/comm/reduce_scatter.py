@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec, is_active
+from embshard_dist.comm._exchange import decode_chunks, start_all_to_all
 from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
@@ -85,18 +86,14 @@ class _ReduceScatterOp:
                 input.device,
             )
             return
-        wire = [coder.encode(c) for c in input.split(self._batches, dim=0)]
-        send = torch.cat(wire)
-        recv_sizes = [coder.wire_size(self._batches[self._rank] * self._dim)] * self._world
-        recv = send.new_empty(sum(recv_sizes))
-        send_sizes = [w.numel() for w in wire]
-        self._recv = recv
-        self._issue(
-            "forward",
-            lambda: dist.all_to_all_single(
-                recv, send, recv_sizes, send_sizes, group=self._group, async_op=True
-            ),
-            input.device,
+        self._pending, self._recv = start_all_to_all(
+            f"{NAME}.forward",
+            input.split(self._batches, dim=0),
+            [self._batches[self._rank] * self._dim] * self._world,
+            coder,
+            input,
+            group=self._group,
+            timeout=self._timeout,
         )
 
     def finish_forward(self) -> Tensor:
@@ -139,8 +136,8 @@ class _ReduceScatterOp:
         recv, coder = self._recv, self._coder
         self._pending = self._recv = self._coder = None
         padded = (max(self._batches), self._dim)
-        parts = recv.split([coder.wire_size(padded[0] * padded[1])] * self._world)
-        rows = [coder.decode(p, padded)[:b] for p, b in zip(parts, self._batches, strict=True)]
+        chunks = decode_chunks(recv, coder, [padded] * self._world)
+        rows = [c[:b] for c, b in zip(chunks, self._batches, strict=True)]
         return torch.cat(rows)
 
 

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec
-from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+from embshard_dist.comm._exchange import decode_chunks, start_all_to_all
+from embshard_dist.comm.timeouts import PendingCollective, Timeout
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 
@@ -78,32 +79,23 @@ class _SequenceAllToAllOp:
         if self._codecs is not None:
             codec = self._codecs.forward if direction == "forward" else self._codecs.backward
         coder = ChunkCodec(codec, payload.dtype)
-        wire = [coder.encode(chunk) for chunk in payload.split(send_counts, dim=0)]
-        send = torch.cat(wire) if wire else payload.new_empty(0, dtype=coder.wire_dtype)
         per_entry = self._entry_numel()
-        recv_sizes = [coder.wire_size(n * per_entry) for n in recv_counts]
-        recv = send.new_empty(sum(recv_sizes))
-        send_sizes = [w.numel() for w in wire]
-        self._pending = issue(
+        self._pending, self._recv = start_all_to_all(
             f"{NAME}.{direction}",
-            lambda: dist.all_to_all_single(
-                recv, send, recv_sizes, send_sizes, group=self._group, async_op=True
-            ),
+            payload.split(send_counts, dim=0),
+            [n * per_entry for n in recv_counts],
+            coder,
+            payload,
             group=self._group,
             timeout=self._timeout,
-            device=send.device,
         )
-        self._recv, self._coder, self._recv_counts = recv, coder, recv_counts
+        self._coder, self._recv_counts = coder, recv_counts
 
     def _received(self) -> Tensor:
         assert self._pending is not None and self._recv is not None and self._coder is not None
         self._pending.wait()
         coder, counts = self._coder, self._recv_counts
-        per_entry = self._entry_numel()
-        parts = self._recv.split([coder.wire_size(n * per_entry) for n in counts])
-        decoded = [
-            coder.decode(part, (n, *self._trailing)) for part, n in zip(parts, counts, strict=True)
-        ]
+        decoded = decode_chunks(self._recv, coder, [(n, *self._trailing) for n in counts])
         self._pending = self._recv = self._coder = None
         if not decoded:
             return torch.empty((0, *self._trailing), dtype=coder.payload_dtype)

@@ -31,24 +31,30 @@ before anything is built or any rank is contacted (:mod:`embshard_dist.sharders.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from embshard_dist.sharded._common import (
+    TableStates,
+    build_strategies,
+    build_tables,
+    combine_optimizers,
+    fill_weights,
+    resolve_fused_params,
+    sharding_group,
+    state_format,
+)
 from embshard_dist.sharded.context import (
     EmbeddingBagCollectionContext,
     FeaturesAwaitable,
     KeyedTensorAwaitable,
 )
-from embshard_dist.sharded.init import draw_shard, is_materialised
-from embshard_dist.sharded.state import check_entry, local_part, table_state_entry
 from embshard_dist.sharders.node_plan_checks import NODE_AWARE
-from embshard_dist.sharders.plan_checks import check_plan, table_specs
+from embshard_dist.sharders.plan_checks import check_plan
 from embshard_dist.sharding._lookup import GroupedBagLookup
 from embshard_dist.sharding.base import (
-    BagTable,
     EmbeddingBagSharding,
     ShardingOptions,
     ShardingStepContext,
@@ -67,26 +73,22 @@ from embshard_dist.sharding.variable_batch import (
     variable_batch_output_dists,
 )
 from embshard_kernels.collections import EmbeddingBagCollection
-from embshard_kernels.fbgemm_mapping import data_type_to_dtype
 from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.slices import TableWeight
-from embshard_optim.combined import CombinedOptimizer
-from embshard_optim.fused import EmptyFusedOptimizer
 from embshard_optim.keyed import KeyedOptimizer
-from embshard_optim.sharded_state import StateFormat, make_mesh
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.awaitables import Awaitable, LazyAwaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 from embshard_types.configs import EmbeddingBagConfig
-from embshard_types.env import ShardingEnv, ShardingEnv2D
+from embshard_types.env import ShardingEnv
 from embshard_types.interfaces import ShardedModule
 from embshard_types.plan import EmbeddingModuleShardingPlan
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
 from embshard_types.vocab import ComputeKernel, ShardingType
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+_ATTR = "embedding_bags"
+"""The name the local weights are registered under (and the state dict's key prefix)."""
 
 STRATEGIES: dict[ShardingType, type] = {
     ShardingType.DATA_PARALLEL: DpSharding,
@@ -178,32 +180,26 @@ class ShardedEmbeddingBagCollection(
         self._plan = plan
         self._configs = configs
         self._is_weighted = module.is_weighted()
-        self._format = StateFormat.DTENSOR if env.output_dtensor else StateFormat.SHARDED_TENSOR
+        self._format = state_format(env)
         # A 2-D environment shards within its sharding group (its process_group is global).
-        self._pg = env.sharding_pg if isinstance(env, ShardingEnv2D) else env.process_group
+        self._pg = sharding_group(env)
         options = ShardingOptions(
             device=dev,
             pg=self._pg,
-            fused_params=_fused_params(module, optimizer, fused_params),
+            fused_params=resolve_fused_params(module, optimizer, fused_params),
             is_weighted=self._is_weighted,
             state_format=self._format,
             world_size=env.world_size,
             rank=env.rank,
             qcomm_codecs_registry=dict(self.qcomm_codecs_registry),
         )
-        self._tables = {
-            c.name: BagTable(
-                c,
-                plan[c.name],
-                table_specs(c, plan[c.name], env.world_size, dev.type, local_world_size=lws),
-            )
-            for c in configs
-        }
-        self._shardings: list[EmbeddingBagSharding] = []
-        for kind in dict.fromkeys(plan[c.name].sharding_type for c in configs):
-            mine = [t for t in self._tables.values() if t.sharding.sharding_type is kind]
-            node_size = {"local_world_size": lws} if kind in NODE_AWARE else {}
-            self._shardings.append(STRATEGIES[kind](mine, options, **node_size))
+        self._tables = build_tables(configs, plan, env.world_size, dev.type, local_world_size=lws)
+        self._shardings: list[EmbeddingBagSharding] = build_strategies(
+            self._tables,
+            STRATEGIES,
+            options,
+            lambda kind: {"local_world_size": lws} if kind in NODE_AWARE else {},
+        )
         # The three stages of the flow, one module per strategy. They are kept out of the
         # module tree: the local weights are registered once, under ``embedding_bags``.
         self._input_dists = [s.create_input_dist() for s in self._shardings]
@@ -212,7 +208,7 @@ class ShardedEmbeddingBagCollection(
 
         local = {name: w for lookup in self._lookups for name, w in lookup.local_weights().items()}
         self._local = local
-        _fill_weights(module, self._tables, local)
+        fill_weights(module, self._tables, local, _ATTR)
         self.embedding_bags = nn.ModuleDict(
             {c.name: TableWeight(local[c.name][0]) for c in configs if c.name in local}
         )
@@ -220,11 +216,12 @@ class ShardedEmbeddingBagCollection(
         dims = {f: c.embedding_dim for c in configs for f in c.feature_names}
         self._dims = [dims[f] for f in self._keys]
         self._columns = _column_index(self._shardings, self._keys, dims)
-        self._fused_optim = _combine([o for lk in self._lookups for o in lk.fused_optimizers()])
-        self._mesh: DeviceMesh | None = None
+        self._fused_optim = combine_optimizers(
+            [o for lk in self._lookups for o in lk.fused_optimizers()], _ATTR
+        )
         self._variable_dists: list[nn.Module] | None = None  # built for the first such batch
-        self.register_state_dict_post_hook(_save_tables)
-        self.register_load_state_dict_pre_hook(_load_tables)
+        self._states = TableStates(_ATTR, self._tables, local, self._format, self._pg, dev.type)
+        self._states.register(self)
 
     # -- the flow ---------------------------------------------------------------------------
 
@@ -321,88 +318,7 @@ class ShardedEmbeddingBagCollection(
     # -- state ------------------------------------------------------------------------------
 
     def _table_entry(self, name: str) -> Tensor:
-        table = self._tables[name]
-        local = self._local.get(name)
-        if table.specs is None:
-            assert local is not None
-            return local[0].detach()
-        pieces = [] if local is None else [(local[0].detach(), local[1])]
-        cfg = table.config
-        if self._format is StateFormat.DTENSOR and self._mesh is None:
-            self._mesh = make_mesh(self._pg, self._device.type)
-        return table_state_entry(
-            pieces,
-            table.specs,
-            (cfg.num_embeddings, cfg.embedding_dim),
-            data_type_to_dtype(cfg.data_type),
-            fmt=self._format,
-            pg=self._pg,
-            mesh=self._mesh,
-        )
-
-
-def _save_tables(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    """State-dict post hook: every table's entry, sharded (see the module docstring)."""
-    assert isinstance(module, ShardedEmbeddingBagCollection)
-    for name in module._tables:
-        state_dict[f"{prefix}embedding_bags.{name}.weight"] = module._table_entry(name)
-
-
-def _load_tables(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """Load pre hook: replace every table's entry by the part of it the local shard holds."""
-    assert isinstance(module, ShardedEmbeddingBagCollection)
-    for name, table in module._tables.items():
-        key = f"{prefix}embedding_bags.{name}.weight"
-        if key not in state_dict:
-            if name not in module._local:
-                missing_keys.append(key)
-            continue
-        local = module._local.get(name)
-        value = state_dict.pop(key)
-        cfg = table.config
-        size = (cfg.num_embeddings, cfg.embedding_dim)
-        if local is None:
-            check_entry(value, size, name)
-        else:
-            state_dict[key] = local_part(value, local[1], size, name)
-
-
-def _fused_params(
-    module: EmbeddingBagCollection, optimizer: OptimizerSpec | None, given: FusedParams | None
-) -> FusedParams:
-    """The sharded kernels' options: ``given`` or the module's own, with ``optimizer`` set."""
-    # The unsharded collection keeps its kernels' options per table (all tables share them).
-    own = [t.fused_params for t in getattr(module, "_tables", ()) if t.fused_params is not None]
-    params = given or (own[0] if own else FusedParams())
-    return params if optimizer is None else replace(params, optimizer=optimizer)
-
-
-def _fill_weights(
-    module: EmbeddingBagCollection,
-    tables: Mapping[str, BagTable],
-    local: Mapping[str, tuple[nn.Parameter, Any]],
-) -> None:
-    """Copy the module's weights into the local shards, or draw them (see :mod:`.init`)."""
-    source = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, (weight, spec) in local.items():
-            full = source.get(f"embedding_bags.{name}.weight")
-            if full is not None and is_materialised(full):
-                (r0, c0), (nr, nc) = spec.offsets, spec.sizes
-                weight.copy_(full.detach()[r0 : r0 + nr, c0 : c0 + nc])
-            else:
-                weight.copy_(draw_shard(tables[name].config, spec, weight.dtype))
+        return self._states.entry(name)
 
 
 def _column_index(
@@ -419,9 +335,3 @@ def _column_index(
     if columns == list(range(len(columns))):
         return None
     return torch.tensor(columns, dtype=torch.long)
-
-
-def _combine(optimizers: list[KeyedOptimizer]) -> KeyedOptimizer:
-    if not optimizers:
-        return EmptyFusedOptimizer()
-    return CombinedOptimizer([("embedding_bags", o) for o in optimizers])

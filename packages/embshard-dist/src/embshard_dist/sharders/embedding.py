@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from embshard_dist.sharded.embedding import SEQUENCE_STRATEGIES, ShardedEmbeddingCollection
-from embshard_dist.sharded.embedding_bag import supported_kernels
+from embshard_dist.sharders._common import (
+    check_device,
+    check_options,
+    kernels_on,
+    sharding_types_on,
+    table_weights,
+)
 from embshard_dist.sharders.plan_checks import check_plan
 from embshard_kernels.collections import EmbeddingCollection
 from embshard_kernels.fused_params import FusedParams
@@ -28,8 +34,6 @@ from embshard_types.plan import EmbeddingModuleShardingPlan
 from embshard_types.vocab import ComputeKernel, ShardingType
 
 __all__ = ["EmbeddingCollectionSharder"]
-
-_DEVICE_TYPES = ("cpu", "cuda")
 
 
 class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
@@ -50,16 +54,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__(qcomm_codecs_registry)
-        if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
-            raise TypeError(
-                f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}; build one "
-                "with OptimizerSpec.from_name(...) or OptimizerSpec.from_torch(...)"
-            )
-        if fused_params is not None and not isinstance(fused_params, FusedParams):
-            raise TypeError(
-                f"fused_params must be FusedParams, got {type(fused_params).__name__}; "
-                "convert a dict with FusedParams.from_dict(...)"
-            )
+        check_options(optimizer, fused_params)
         self._optimizer = optimizer
         self._fused_params = fused_params
 
@@ -116,12 +111,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
 
     def shardable_parameters(self, module: EmbeddingCollection) -> dict[str, nn.Parameter]:
         """Table name -> its weight."""
-        prefix = "embeddings."
-        return {
-            name[len(prefix) : -len(".weight")]: p
-            for name, p in module.named_parameters()
-            if name.startswith(prefix) and name.endswith(".weight")
-        }
+        return table_weights(module, "embeddings")
 
     def sharding_types(self, compute_device_type: str) -> list[ShardingType]:
         """Data-parallel, table-, row- and column-wise (on ``cpu`` and ``cuda``).
@@ -129,8 +119,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         Raises:
             ValueError: an unknown device type.
         """
-        _check_device(compute_device_type)
-        return list(SEQUENCE_STRATEGIES)
+        return sharding_types_on(compute_device_type, SEQUENCE_STRATEGIES)
 
     def compute_kernels(
         self, sharding_type: ShardingType | str, compute_device_type: str
@@ -140,11 +129,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         Raises:
             ValueError: an unknown device type or sharding type.
         """
-        _check_device(compute_device_type)
-        kind = ShardingType.parse(sharding_type, what="compute_kernels")
-        if kind not in SEQUENCE_STRATEGIES:
-            return []
-        return supported_kernels(kind, compute_device_type)
+        return kernels_on(sharding_type, compute_device_type, SEQUENCE_STRATEGIES)
 
     def check_plan(
         self,
@@ -162,7 +147,7 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
             TypeError: ``params`` is not an ``EmbeddingModuleShardingPlan``.
             ValueError: the first problem, naming the module path and the table.
         """
-        _check_device(device_type)
+        check_device(device_type)
         check_plan(
             module.embedding_configs(),
             params,
@@ -172,11 +157,4 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
             sharding_types=self.sharding_types(device_type),
             compute_kernels=lambda kind: self.compute_kernels(kind, device_type),
             module_kind="EmbeddingCollection",
-        )
-
-
-def _check_device(device_type: str) -> None:
-    if device_type not in _DEVICE_TYPES:
-        raise ValueError(
-            f"unknown compute device type {device_type!r}; expected one of {list(_DEVICE_TYPES)}"
         )

@@ -16,10 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from embshard_dist.sharded.embedding_bag import (
-    STRATEGIES,
-    ShardedEmbeddingBagCollection,
-    supported_kernels,
+from embshard_dist.sharded.embedding_bag import STRATEGIES, ShardedEmbeddingBagCollection
+from embshard_dist.sharders._common import (
+    check_device,
+    check_options,
+    kernels_on,
+    sharding_types_on,
+    table_weights,
 )
 from embshard_dist.sharders.plan_checks import check_plan
 from embshard_dist.sharding.nodes import env_local_world_size, resolve_local_world_size
@@ -31,8 +34,6 @@ from embshard_types.env import ShardingEnv
 from embshard_types.interfaces import ModuleSharder
 from embshard_types.plan import EmbeddingModuleShardingPlan
 from embshard_types.vocab import ComputeKernel, ShardingType
-
-_DEVICE_TYPES = ("cpu", "cuda")
 
 
 class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
@@ -62,16 +63,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         if local_world_size is not None:
             resolve_local_world_size(local_world_size, local_world_size)
         self._local_world_size = local_world_size
-        if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
-            raise TypeError(
-                f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}; build one "
-                "with OptimizerSpec.from_name(...) or OptimizerSpec.from_torch(...)"
-            )
-        if fused_params is not None and not isinstance(fused_params, FusedParams):
-            raise TypeError(
-                f"fused_params must be FusedParams, got {type(fused_params).__name__}; "
-                "convert a dict with FusedParams.from_dict(...)"
-            )
+        check_options(optimizer, fused_params)
         self._optimizer = optimizer
         self._fused_params = fused_params
 
@@ -129,12 +121,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, nn.Parameter]:
         """Table name -> its weight."""
-        prefix = "embedding_bags."
-        return {
-            name[len(prefix) : -len(".weight")]: p
-            for name, p in module.named_parameters()
-            if name.startswith(prefix) and name.endswith(".weight")
-        }
+        return table_weights(module, "embedding_bags")
 
     def sharding_types(self, compute_device_type: str) -> list[ShardingType]:
         """Data-parallel, table-, row-, column-, table-row-, table-column-wise and grid (on
@@ -143,8 +130,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         Raises:
             ValueError: an unknown device type.
         """
-        _check_device(compute_device_type)
-        return list(STRATEGIES)
+        return sharding_types_on(compute_device_type, STRATEGIES)
 
     def compute_kernels(
         self, sharding_type: ShardingType | str, compute_device_type: str
@@ -154,9 +140,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         Raises:
             ValueError: an unknown device type or sharding type.
         """
-        _check_device(compute_device_type)
-        kind = ShardingType.parse(sharding_type, what="compute_kernels")
-        return supported_kernels(kind, compute_device_type)
+        return kernels_on(sharding_type, compute_device_type, STRATEGIES)
 
     def check_plan(
         self,
@@ -174,7 +158,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
             TypeError: ``params`` is not an ``EmbeddingModuleShardingPlan``.
             ValueError: the first problem, naming the module path and the table.
         """
-        _check_device(device_type)
+        check_device(device_type)
         check_plan(
             module.embedding_bag_configs(),
             params,
@@ -184,11 +168,4 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
             sharding_types=self.sharding_types(device_type),
             compute_kernels=lambda kind: self.compute_kernels(kind, device_type),
             local_world_size=env_local_world_size(env, self._local_world_size),
-        )
-
-
-def _check_device(device_type: str) -> None:
-    if device_type not in _DEVICE_TYPES:
-        raise ValueError(
-            f"unknown compute device type {device_type!r}; expected one of {list(_DEVICE_TYPES)}"
         )

@@ -16,20 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch import nn
-
-from embshard_dist.sharding._lookup import GroupedBagLookup
 from embshard_dist.sharding.base import BagTable, ShardingOptions
 from embshard_dist.sharding.cw import CwSharding
-from embshard_dist.sharding.sequence import SequenceOutputDist, blocks_per_rank
-from embshard_types.shard_spec import ShardSpec
-from embshard_types.vocab import CommOp, ShardingType
+from embshard_dist.sharding.sequence import PooledSequenceSharding, blocks_output_dist
+from embshard_types.vocab import ShardingType
 
 __all__ = ["CwSequenceSharding"]
 
 
-class CwSequenceSharding:
+class CwSequenceSharding(PooledSequenceSharding[CwSharding]):
     """Column-wise sharding of sequence ``tables`` (blocks spanning all rows, one per rank at most).
+
+    Features come in the collection's order.
 
     Args:
         tables: the column-wise tables, in the collection's order.
@@ -39,26 +37,4 @@ class CwSequenceSharding:
     sharding_type = ShardingType.COLUMN_WISE
 
     def __init__(self, tables: Sequence[BagTable], options: ShardingOptions) -> None:
-        self._pooled = CwSharding(tables, options)
-        self._options = options
-
-    def feature_names(self) -> list[str]:
-        """Features in the collection's order."""
-        return self._pooled.feature_names()
-
-    def shard_specs(self) -> dict[str, list[ShardSpec]]:
-        return self._pooled.shard_specs()
-
-    def create_input_dist(self) -> nn.Module:
-        return self._pooled.create_input_dist()
-
-    def create_lookup(self) -> GroupedBagLookup:
-        return self._pooled.create_lookup()
-
-    def create_output_dist(self) -> nn.Module:
-        return SequenceOutputDist(
-            self._options.pg,
-            blocks_per_rank(self._pooled.features_per_rank(), self._pooled.tables_per_rank()),
-            bucketized=False,
-            codecs=self._options.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL),
-        )
+        super().__init__(CwSharding(tables, options), options, blocks_output_dist)

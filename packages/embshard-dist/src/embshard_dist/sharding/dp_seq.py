@@ -16,17 +16,19 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from embshard_dist.sharding._lookup import GroupedBagLookup
 from embshard_dist.sharding.base import BagTable, ShardingOptions
 from embshard_dist.sharding.dp import DpSharding
-from embshard_dist.sharding.sequence import DpSequenceOutputDist
+from embshard_dist.sharding.sequence import DpSequenceOutputDist, PooledSequenceSharding
 from embshard_types.vocab import ShardingType
 
 __all__ = ["DpSequenceSharding"]
 
 
-class DpSequenceSharding:
+class DpSequenceSharding(PooledSequenceSharding[DpSharding]):
     """Data-parallel sharding of sequence ``tables`` (replicated whole on every rank).
+
+    Features come in the kernels' order; ``shard_specs()`` is ``None`` (every rank holds every
+    table whole).
 
     Args:
         tables: the data-parallel tables, in the collection's order.
@@ -36,26 +38,9 @@ class DpSequenceSharding:
     sharding_type = ShardingType.DATA_PARALLEL
 
     def __init__(self, tables: Sequence[BagTable], options: ShardingOptions) -> None:
-        self._pooled = DpSharding(tables, options)
-        self._options = options
+        super().__init__(DpSharding(tables, options), options, _output_dist)
 
-    def feature_names(self) -> list[str]:
-        """Features in the kernels' order."""
-        return self._pooled.feature_names()
 
-    def shard_specs(self) -> None:
-        """None: every rank holds every table whole."""
-        return None
-
-    def create_input_dist(self) -> nn.Module:
-        return self._pooled.create_input_dist()
-
-    def create_lookup(self) -> GroupedBagLookup:
-        return self._pooled.create_lookup()
-
-    def create_output_dist(self) -> nn.Module:
-        return DpSequenceOutputDist(
-            self._pooled.feature_names(),
-            self._pooled.embedding_dims(),
-            self._options.world_size,
-        )
+def _output_dist(pooled: DpSharding, options: ShardingOptions) -> nn.Module:
+    """No communication: the rows stay; the gradient is divided by the world size."""
+    return DpSequenceOutputDist(pooled.feature_names(), pooled.embedding_dims(), options.world_size)

@@ -18,18 +18,18 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from embshard_dist.sharding._lookup import GroupedBagLookup
 from embshard_dist.sharding.base import BagTable, ShardingOptions
 from embshard_dist.sharding.rw import RwSharding
-from embshard_dist.sharding.sequence import Block, SequenceOutputDist
-from embshard_types.shard_spec import ShardSpec
+from embshard_dist.sharding.sequence import Block, PooledSequenceSharding, SequenceOutputDist
 from embshard_types.vocab import CommOp, ShardingType
 
 __all__ = ["RwSequenceSharding"]
 
 
-class RwSequenceSharding:
+class RwSequenceSharding(PooledSequenceSharding[RwSharding]):
     """Row-wise sharding of sequence ``tables`` (one row block per rank, in rank order).
+
+    Features come in the kernels' order (the same on every rank).
 
     Args:
         tables: the row-wise tables, in the collection's order.
@@ -39,29 +39,17 @@ class RwSequenceSharding:
     sharding_type = ShardingType.ROW_WISE
 
     def __init__(self, tables: Sequence[BagTable], options: ShardingOptions) -> None:
-        self._pooled = RwSharding(tables, options)
-        self._options = options
+        super().__init__(RwSharding(tables, options), options, _output_dist)
 
-    def feature_names(self) -> list[str]:
-        """Features in the kernels' order (the same on every rank)."""
-        return self._pooled.feature_names()
 
-    def shard_specs(self) -> dict[str, list[ShardSpec]]:
-        return self._pooled.shard_specs()
-
-    def create_input_dist(self) -> nn.Module:
-        return self._pooled.create_input_dist()
-
-    def create_lookup(self) -> GroupedBagLookup:
-        return self._pooled.create_lookup()
-
-    def create_output_dist(self) -> nn.Module:
-        features = self._pooled.feature_names()
-        dims = self._pooled.embedding_dims()
-        blocks = [Block(f, d) for f, d in zip(features, dims, strict=True)]
-        return SequenceOutputDist(
-            self._options.pg,
-            [blocks] * self._options.world_size,
-            bucketized=True,
-            codecs=self._options.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL),
-        )
+def _output_dist(pooled: RwSharding, options: ShardingOptions) -> nn.Module:
+    """Every rank holds a row block of every feature: the blocks go back bucketized."""
+    features = pooled.feature_names()
+    dims = pooled.embedding_dims()
+    blocks = [Block(f, d) for f, d in zip(features, dims, strict=True)]
+    return SequenceOutputDist(
+        options.pg,
+        [blocks] * options.world_size,
+        bucketized=True,
+        codecs=options.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL),
+    )

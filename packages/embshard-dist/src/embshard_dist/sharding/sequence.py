@@ -32,22 +32,27 @@ sequence kernels only need the ids, so :func:`lookup_input` hands them one bag p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from embshard_dist.comm.sequence_all_to_all import SequenceEmbeddingsAllToAll
-from embshard_dist.sharding.base import ShardingStepContext, scale_grad
+from embshard_dist.sharding.base import (
+    EmbeddingBagSharding,
+    ShardingOptions,
+    ShardingStepContext,
+    scale_grad,
+)
 from embshard_kernels.grouping import ShardedTableConfig
 from embshard_types.awaitables import Awaitable, NoWait
 from embshard_types.comm_codec import QuantizedCommCodecs
 from embshard_types.shard_spec import ShardSpec
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
-from embshard_types.vocab import ShardingType
+from embshard_types.vocab import CommOp, ShardingType
 
 if TYPE_CHECKING:
     from embshard_dist.sharding._lookup import GroupedBagLookup
@@ -56,9 +61,11 @@ __all__ = [
     "Block",
     "DpSequenceOutputDist",
     "EmbeddingSequenceSharding",
+    "PooledSequenceSharding",
     "SequenceOutputDist",
     "SequenceStepContext",
     "blocks_per_rank",
+    "blocks_output_dist",
     "id_counts",
     "lookup_input",
 ]
@@ -104,6 +111,71 @@ class EmbeddingSequenceSharding(Protocol):
     def create_output_dist(self) -> nn.Module:
         """``(rows, ctx) -> Awaitable[{feature: [its ids here, dim]}]``."""
         ...
+
+
+P = TypeVar("P", bound=EmbeddingBagSharding)
+
+
+class PooledSequenceSharding(Generic[P]):
+    """A sequence strategy made of a pooled one and its own output dist (see the module docstring).
+
+    The input dist, the layout (features, shard specs) and the lookup are the pooled
+    strategy's; each strategy module (``dp_seq``, ``tw_seq``, ``rw_seq``, ``cw_seq``) names its
+    sharding type and says how its output dist is built.
+
+    Args:
+        pooled: the pooled strategy over the same tables.
+        options: where to run and how to build kernels.
+        output_dist: builds the output dist from ``pooled`` and ``options``.
+    """
+
+    def __init__(
+        self,
+        pooled: P,
+        options: ShardingOptions,
+        output_dist: Callable[[P, ShardingOptions], nn.Module],
+    ) -> None:
+        self._pooled = pooled
+        self._options = options
+        self._output_dist = output_dist
+
+    def feature_names(self) -> list[str]:
+        """The pooled strategy's features, in its lookup's order."""
+        return self._pooled.feature_names()
+
+    def shard_specs(self) -> dict[str, list[ShardSpec]] | None:
+        """The pooled strategy's shards (``None``: data-parallel)."""
+        return self._pooled.shard_specs()
+
+    def create_input_dist(self) -> nn.Module:
+        return self._pooled.create_input_dist()
+
+    def create_lookup(self) -> GroupedBagLookup:
+        return self._pooled.create_lookup()
+
+    def create_output_dist(self) -> nn.Module:
+        return self._output_dist(self._pooled, self._options)
+
+
+class _PerRankLayout(Protocol):
+    def features_per_rank(self) -> list[list[str]]: ...
+
+    def tables_per_rank(self) -> list[list[ShardedTableConfig]]: ...
+
+
+def blocks_output_dist(pooled: _PerRankLayout, options: ShardingOptions) -> SequenceOutputDist:
+    """The output dist of table- and column-wise strategies: each rank's blocks sent back.
+
+    Args:
+        pooled: the pooled strategy (its features and shards per rank).
+        options: its options (process group, codecs).
+    """
+    return SequenceOutputDist(
+        options.pg,
+        blocks_per_rank(pooled.features_per_rank(), pooled.tables_per_rank()),
+        bucketized=False,
+        codecs=options.codecs(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL),
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""``embshard checkpoint inspect``: what a checkpoint holds, without loading any tensor.
+
+:func:`inspect_checkpoint` reads the metadata and the file sizes only: tables (shape, dtype,
+sharding when saved, optimizer states, bytes), dense tensors, step, world size, format version,
+the plan that saved it, bytes written by each rank, and any integrity problem (a missing or
+truncated file). :func:`format_inspection` turns that into plain text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from embshard_dist.checkpoint.format import (
+    FORMAT_VERSION,
+    OBJECT,
+    parse_dtype,
+    read_metadata,
+    resolve_checkpoint,
+)
+from embshard_dist.checkpoint.validate import check_files
+from embshard_types.plan import ShardingPlan
+
+__all__ = ["format_inspection", "inspect_checkpoint"]
+
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def _bytes_of(dtype: str, count: int) -> int:
+    if dtype == OBJECT:
+        return 0
+    return count * torch.empty((), dtype=parse_dtype(dtype, what="checkpoint")).element_size()
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON-able summary of the checkpoint at ``path`` (see the module docstring).
+
+    Raises:
+        ValueError: not a checkpoint, or one of a newer format version.
+    """
+    final = resolve_checkpoint(path)
+    meta = read_metadata(final)
+    tables = []
+    for t in meta.tables:
+        states = {
+            name: ("row-wise" if s.rowwise else "point-wise")
+            for name, s in t.states.items()
+            if meta.has_optimizer
+        }
+        state_bytes = sum(
+            _bytes_of(s.dtype, t.rows if s.rowwise else t.rows * t.dim)
+            for s in t.states.values()
+            if meta.has_optimizer
+        )
+        tables.append(
+            {
+                "key": t.key,
+                "rows": t.rows,
+                "dim": t.dim,
+                "dtype": t.dtype,
+                "sharding": t.sharding,
+                "states": states,
+                "weight_bytes": _bytes_of(t.dtype, t.rows * t.dim),
+                "state_bytes": state_bytes,
+            }
+        )
+    per_rank: dict[int, int] = {}
+    for name, size in meta.files.items():
+        match = _RANK_FILE.fullmatch(name)
+        if match:
+            rank = int(match.group(1))
+            per_rank[rank] = per_rank.get(rank, 0) + size
+    return {
+        "path": str(final),
+        "format_version": meta.version,
+        "reader_version": FORMAT_VERSION,
+        "created": meta.created,
+        "source": meta.source,
+        "step": meta.step,
+        "world_size": meta.world_size,
+        "optimizer": meta.has_optimizer,
+        "tables": tables,
+        "dense": {
+            "tensors": len(meta.dense),
+            "bytes": sum(_bytes_of(i.dtype, _count(i.shape)) for i in meta.dense.values()),
+        },
+        "files": {"count": len(meta.files), "bytes": sum(meta.files.values())},
+        "bytes_per_rank": {str(r): per_rank[r] for r in sorted(per_rank)},
+        "plan": meta.plan,
+        "problems": check_files(final, meta),
+    }
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    total = 1
+    for n in shape:
+        total *= n
+    return total
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def format_inspection(info: Mapping[str, Any]) -> str:
+    """Plain text for a summary made by :func:`inspect_checkpoint`."""
+    lines = [
+        f"checkpoint {info['path']}",
+        f"  format version {info['format_version']} (this embshard reads up to "
+        f"{info['reader_version']}), made by {info['source']} at {info['created']}",
+        f"  step {info['step']}, saved by {info['world_size']} process(es), optimizer state "
+        f"{'included' if info['optimizer'] else 'not included'}",
+        f"  files: {info['files']['count']}, {_size(info['files']['bytes'])}"
+        + (
+            " ("
+            + ", ".join(f"rank {r}: {_size(b)}" for r, b in info["bytes_per_rank"].items())
+            + ")"
+            if info["bytes_per_rank"]
+            else ""
+        ),
+        "",
+        f"{'table':40} {'rows x dim':>16} {'dtype':9} {'sharding':14} {'weights':>10} "
+        f"{'opt. state':>10}  states",
+    ]
+    for t in info["tables"]:
+        states = ", ".join(f"{n} ({k})" for n, k in t["states"].items()) or "-"
+        lines.append(
+            f"{t['key']:40} {t['rows']:>8} x {t['dim']:<5} {t['dtype']:9} "
+            f"{t['sharding'] or 'unsharded':14} {_size(t['weight_bytes']):>10} "
+            f"{_size(t['state_bytes']):>10}  {states}"
+        )
+    lines.append(f"dense tensors: {info['dense']['tensors']}, {_size(info['dense']['bytes'])}")
+    if info["plan"] is not None:
+        lines += ["", "plan it was saved with:", str(ShardingPlan.from_dict(info["plan"]))]
+    if info["problems"]:
+        lines += ["", "PROBLEMS (the checkpoint cannot be loaded):"]
+        lines += [f"  - {p}" for p in info["problems"]]
+    return "\n".join(lines)

@@ -1,0 +1,362 @@
+"""Saving a ``DistributedModelParallel``'s whole training state, atomically, maybe in the background.
+
+What is saved (see :mod:`.format` for the layout): every table's weight and fused optimizer
+state in a plan-independent layout, the dense parameters and buffers, the dense optimizer's
+state and param groups, the fused optimizers' hyperparameters, the plan, the step counter and
+every rank's random number generator states. Each rank writes only its own shards, through
+``torch.distributed.checkpoint`` (``FileSystemWriter``, files flushed to disk).
+
+Atomicity (see :mod:`.atomic`): the checkpoint is written into a hidden directory beside its
+destination and renamed into place by rank 0 once every rank has written; a save stopped
+half-way (a rank killed, a full disk) leaves earlier checkpoints and the ``latest`` pointer
+untouched.
+
+Asynchronous saves (``async_save=True``): the state is copied to CPU memory on the calling
+thread (training may change the model as soon as the call returns), then written and
+committed by a background thread over a separate gloo process group, so its collectives never
+interleave with training's. Call :meth:`SaveHandle.wait` before the process ends; a new save
+first waits for the previous one.
+
+Guarantees: every rank must call the save functions together (they are collectives); a
+destination that exists is refused on every rank before anything is written; an error on any
+rank (including rank 0's commit) is raised on every rank. Every rank must see the same
+directory (one host, or a shared filesystem), as ``FileSystemWriter`` requires.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from embshard_dist.checkpoint.atomic import (
+    commit,
+    fsync_file,
+    prune,
+    remove_stale,
+    temporary_path,
+    write_latest,
+)
+from embshard_dist.checkpoint.format import (
+    FORMAT_VERSION,
+    OBJECT,
+    CheckpointMetadata,
+    TensorInfo,
+    dense_optim_key,
+    dtype_name,
+    model_key,
+    optim_key,
+    parse_dtype,
+    rng_file,
+    step_dir_name,
+)
+from embshard_dist.checkpoint.layout import ModelLayout, describe_model
+from embshard_dist.checkpoint.tensors import Piece, Shard, quiet, sharded_tensor
+from embshard_dist.checkpoint.train_state import agree, capture_rng, gather_json
+
+if TYPE_CHECKING:
+    from embshard_dist.model_parallel import DistributedModelParallel
+
+__all__ = [
+    "SaveHandle",
+    "save_checkpoint",
+    "save_entries",
+    "save_to_directory",
+    "wait_for_pending_save",
+]
+
+
+class SaveHandle:
+    """A save in progress or done (see the module docstring).
+
+    Args:
+        path: where the checkpoint becomes visible.
+        future: completes with the path, or with the save's error.
+    """
+
+    def __init__(self, path: Path, future: Future[Path]) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        """Whether the save finished (successfully or not)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Wait for the save to finish and return the checkpoint's path.
+
+        Raises:
+            Exception: whatever stopped the save (on every rank).
+        """
+        return self._future.result(timeout)
+
+
+_pending: SaveHandle | None = None
+_async_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def wait_for_pending_save() -> None:
+    """Wait for this process's background save, if one is running (raises its error)."""
+    global _pending
+    if _pending is not None:
+        previous, _pending = _pending, None
+        previous.wait()
+
+
+def save_checkpoint(
+    dmp: DistributedModelParallel,
+    path: str | os.PathLike[str],
+    *,
+    step: int,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Save ``dmp``'s training state to the new checkpoint directory ``path`` (all ranks call).
+
+    Args:
+        dmp: the model (its fused and dense optimizers are saved with it).
+        path: the checkpoint to create (its parent is created if needed; it must not exist).
+        step: training steps taken so far (restored by the load, and given to the fused
+            optimizers' step counters).
+        async_save: write in a background thread (see the module docstring).
+
+    Returns:
+        A handle; with ``async_save=False`` the save is already complete.
+
+    Raises:
+        ValueError: ``path`` exists or ``step`` is negative (on every rank, nothing written).
+    """
+    return _save(dmp, Path(path), step=step, async_save=async_save, after_commit=None)
+
+
+def save_to_directory(
+    dmp: DistributedModelParallel,
+    root: str | os.PathLike[str],
+    *,
+    step: int,
+    keep_last: int = 2,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Save into ``root/step-NNNNNNNN``, then point ``root/latest`` at it and prune old ones.
+
+    Args:
+        dmp: the model.
+        root: the directory of checkpoints (created if needed).
+        step: training steps taken so far (names the checkpoint).
+        keep_last: complete checkpoints to keep (the new one included; at least 1).
+        async_save: write in a background thread.
+
+    Raises:
+        ValueError: ``keep_last`` < 1, or that step's checkpoint exists.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    root = Path(root)
+    final = root / step_dir_name(step)
+
+    def after_commit(path: Path) -> None:
+        write_latest(root, path.name)
+        prune(root, keep_last)
+
+    return _save(dmp, final, step=step, async_save=async_save, after_commit=after_commit)
+
+
+def _save(
+    dmp: DistributedModelParallel,
+    final: Path,
+    *,
+    step: int,
+    async_save: bool,
+    after_commit: Callable[[Path], None] | None,
+) -> SaveHandle:
+    global _pending
+    wait_for_pending_save()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    layout = describe_model(dmp)
+    pg, rank = layout.pg, layout.rank
+    token = _shared_token(pg)
+    tmp = temporary_path(final, token)
+    problems: list[str] = []
+    if rank == 0:
+        problems = _prepare(final, tmp, clean=after_commit is not None)
+    agree(problems, group=pg, name=f"checkpoint save to {str(final)!r}")
+    metadata = _metadata(layout, step, dmp.plan.to_dict())
+    with quiet():
+        entries = save_entries(layout, stage=async_save)
+    rng = capture_rng()
+
+    group = _async_group(pg) if async_save else pg  # made here: new_group is a collective
+
+    def write() -> Path:
+        with quiet():
+            return _write(entries, rng, metadata, tmp, final, rank, group, after_commit)
+
+    future: Future[Path] = Future()
+    if not async_save:
+        future.set_result(write())
+        return SaveHandle(final, future)
+
+    def run() -> None:
+        try:
+            future.set_result(write())
+        except BaseException as e:  # the caller sees it through wait()
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=f"embshard-save-{final.name}", daemon=False).start()
+    _pending = SaveHandle(final, future)
+    return _pending
+
+
+def _shared_token(pg: dist.ProcessGroup | None) -> str:
+    """A random token chosen by rank 0, the same on every rank."""
+    token: str = gather_json(secrets.token_hex(6), group=pg, name="checkpoint.token")[0]
+    return token
+
+
+def _prepare(final: Path, tmp: Path, *, clean: bool) -> list[str]:
+    """Rank 0: refuse an existing destination, clear leftovers, create the hidden directory."""
+    if final.exists():
+        return [f"{str(final)!r} exists; save under another path or remove it first"]
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if clean:
+            remove_stale(final.parent)
+        (tmp / "rng").mkdir(parents=True)
+    except OSError as e:
+        return [f"cannot create {str(tmp)!r}: {e}"]
+    return []
+
+
+def _async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A gloo group over ``pg``'s ranks for background saves (made once, on first use)."""
+    key = id(pg)
+    if key not in _async_groups:
+        ranks = None if pg is None else dist.get_process_group_ranks(pg)
+        group = dist.new_group(ranks=ranks, backend="gloo")
+        assert group is not None
+        _async_groups[key] = group
+    return _async_groups[key]
+
+
+def _write(
+    entries: dict[str, Any],
+    rng: dict[str, Any],
+    metadata: CheckpointMetadata,
+    tmp: Path,
+    final: Path,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    after_commit: Callable[[Path], None] | None,
+) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    rng_path = tmp / rng_file(rank)
+    torch.save(rng, rng_path)
+    fsync_file(rng_path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(
+            entries,
+            storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+            process_group=group,
+        )
+    except CheckpointException as e:  # a BaseException: make it an ordinary error
+        raise RuntimeError(f"writing the checkpoint {str(final)!r} failed: {e}") from e
+    problems: list[str] = []
+    if rank == 0:
+        try:
+            commit(tmp, final, metadata)
+            if after_commit is not None:
+                after_commit(final)
+        except (OSError, ValueError) as e:
+            problems.append(f"rank 0 could not commit {str(final)!r}: {e}")
+    agree(problems, group=group, name=f"checkpoint commit of {str(final)!r}")
+    return final
+
+
+def _metadata(layout: ModelLayout, step: int, plan: dict[str, Any]) -> CheckpointMetadata:
+    dense_optimizer = {
+        param: {name: _tensor_info(value) for name, value in states.items()}
+        for param, states in layout.dense_state.items()
+    }
+    return CheckpointMetadata(
+        version=FORMAT_VERSION,
+        step=step,
+        world_size=layout.world_size,
+        tables=tuple(t.info for t in layout.tables.values()),
+        dense={k: _tensor_info(v) for k, v in layout.dense.items()},
+        has_optimizer=True,
+        dense_optimizer=dense_optimizer,
+        dense_param_groups=layout.dense_param_groups,
+        fused_hyperparameters=layout.fused_hyperparameters,
+        plan=plan,
+        files={},
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        source="save",
+    )
+
+
+def _tensor_info(value: Any) -> TensorInfo:
+    if isinstance(value, Tensor):
+        return TensorInfo(tuple(value.shape), dtype_name(value.dtype))
+    return TensorInfo((), OBJECT)
+
+
+def save_entries(layout: ModelLayout, *, stage: bool) -> dict[str, Any]:
+    """The ``torch.distributed.checkpoint`` state dict of a model (plan-independent keys).
+
+    Args:
+        layout: the model on this rank.
+        stage: copy every tensor to CPU memory (for background saves); else the entries
+            wrap the live tensors.
+    """
+
+    def own(t: Tensor) -> Tensor:
+        return t.detach().to("cpu", copy=True) if stage else t
+
+    out: dict[str, Any] = {}
+    pg = layout.pg
+    for key, table in layout.tables.items():
+        info, rows = table.info, table.info.rows
+        weight = [Piece(p.offsets, own(p.tensor)) for p in table.weight]
+        dtype = parse_dtype(info.dtype, what=f"table {info.name!r}")
+        out[model_key(key)] = _entry(weight, table.shards, table.size, dtype, pg)
+        for name, state in table.states.items():
+            dtype = parse_dtype(state.info.dtype, what=f"table {info.name!r} state {name!r}")
+            if state.info.rowwise:
+                pieces = [Piece((p.offsets[0],), own(p.tensor)) for p in state.pieces]
+                pieces = [p for p in pieces if p.offsets[0] < rows]  # column block 0's copy
+                entry = _entry(pieces, table.row_shards(), (rows,), dtype, pg)
+            else:
+                pieces = [Piece(p.offsets, own(p.tensor)) for p in state.pieces]
+                entry = _entry(pieces, table.shards, table.size, dtype, pg)
+            out[optim_key(key, name)] = entry
+    for key, tensor in layout.dense.items():
+        out[model_key(key)] = own(tensor)
+    for param, states in layout.dense_state.items():
+        for name, value in states.items():
+            out[dense_optim_key(param, name)] = own(value) if isinstance(value, Tensor) else value
+    return out
+
+
+def _entry(
+    pieces: list[Piece],
+    shards: list[Shard] | None,
+    size: tuple[int, ...],
+    dtype: torch.dtype,
+    pg: dist.ProcessGroup | None,
+) -> Any:
+    if shards is None:  # replicated: every rank holds the whole tensor
+        (piece,) = pieces
+        return piece.tensor
+    return sharded_tensor(pieces, shards, size, dtype, pg)

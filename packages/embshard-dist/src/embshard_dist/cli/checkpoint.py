@@ -1,0 +1,76 @@
+"""``embshard checkpoint``: inspect, export and import checkpoints, offline, in one process.
+
+* ``inspect DIR [--json]``: tables, shapes, plan, step, sizes and integrity, from the
+  metadata alone (no tensor is read);
+* ``export DIR OUT [--weights-only]``: every tensor unsharded, one file per tensor, written
+  one table at a time (memory bounded by the largest table, not the model);
+* ``import SRC OUT [--prefix P] [--step N]``: a ``torch.save``'d state dict (TorchRec's
+  ``EmbeddingBagCollection`` names included) or an export, as a checkpoint any plan and
+  world size can load.
+
+``DIR`` is a checkpoint or a directory of checkpoints (its ``latest``). Exit status: 0 on
+success, 1 when ``inspect`` finds the checkpoint damaged (missing or truncated files), 2 for
+bad input (the message says what is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``embshard checkpoint``."""
+    parser = argparse.ArgumentParser(
+        prog="embshard checkpoint", description="Inspect, export and import checkpoints."
+    )
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    inspect = sub.add_parser("inspect", help="print what a checkpoint holds")
+    inspect.add_argument("path", metavar="DIR", help="a checkpoint or a directory of them")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    export = sub.add_parser("export", help="write every tensor unsharded, one file each")
+    export.add_argument("path", metavar="DIR", help="a checkpoint or a directory of them")
+    export.add_argument("out", metavar="OUT", help="the export directory to create")
+    export.add_argument("--weights-only", action="store_true", help="leave the optimizer state out")
+    imp = sub.add_parser("import", help="make a checkpoint from a state dict or an export")
+    imp.add_argument("source", metavar="SRC", help="a torch.save'd state dict, or an export")
+    imp.add_argument("out", metavar="OUT", help="the checkpoint directory to create")
+    imp.add_argument(
+        "--prefix",
+        default="",
+        help="module path to put before the state dict's keys (e.g. sparse_arch)",
+    )
+    imp.add_argument("--step", type=int, default=None, help="the step to record")
+    return parser
+
+
+def run(argv: Sequence[str]) -> int:
+    """Entry point of ``embshard checkpoint``."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.action == "inspect":
+            from embshard_dist.checkpoint.inspect import format_inspection, inspect_checkpoint
+
+            info = inspect_checkpoint(args.path)
+            print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+            return 1 if info["problems"] else 0
+        if args.action == "export":
+            from embshard_dist.checkpoint.export import export_checkpoint
+
+            index = export_checkpoint(args.path, args.out, optimizer=not args.weights_only)
+            print(f"exported {len(index['tensors'])} tensors to {args.out}")
+            return 0
+        from embshard_dist.checkpoint.import_ import import_state_dict
+
+        meta = import_state_dict(args.source, args.out, prefix=args.prefix, step=args.step)
+        print(
+            f"imported {len(meta.tables)} tables and {len(meta.dense)} dense tensors into "
+            f"{args.out} (step {meta.step}, optimizer state "
+            f"{'included' if meta.has_optimizer else 'not included'})"
+        )
+        return 0
+    except ValueError as e:
+        print(f"embshard checkpoint {args.action}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,65 @@
+"""One coded all-to-all of per-peer chunks: encode, send, and cut what arrives back into chunks.
+
+The pooled and sequence all-to-alls (and the reduce-scatter's uneven path) send one chunk per
+peer, each encoded on its own (see ``_codec``), with a single ``all_to_all_single`` whose wait
+is bounded (see ``timeouts``). Both sides know every chunk's payload size, hence its wire size,
+so no sizes travel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from embshard_dist.comm._codec import ChunkCodec
+from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+
+
+def start_all_to_all(
+    collective: str,
+    chunks: Sequence[Tensor],
+    recv_numels: Sequence[int],
+    coder: ChunkCodec,
+    like: Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    timeout: Timeout,
+) -> tuple[PendingCollective, Tensor]:
+    """Start sending ``chunks[r]`` to rank ``r``; the pending collective and the wire buffer.
+
+    Args:
+        collective: the name used in errors (e.g. ``"pooled_all_to_all.forward"``).
+        chunks: the payload for each rank, in rank order.
+        recv_numels: the payload elements coming from each rank, in rank order.
+        coder: encodes the chunks (and sizes what arrives).
+        like: a tensor on the payload's device (for an empty send).
+        group: the process group.
+        timeout: time limit of the wait.
+    """
+    wire = [coder.encode(c) for c in chunks]
+    send = torch.cat(wire) if wire else like.new_empty(0, dtype=coder.wire_dtype)
+    recv_sizes = [coder.wire_size(n) for n in recv_numels]
+    recv = send.new_empty(sum(recv_sizes))
+    send_sizes = [w.numel() for w in wire]
+    pending = issue(
+        collective,
+        lambda: dist.all_to_all_single(
+            recv, send, recv_sizes, send_sizes, group=group, async_op=True
+        ),
+        group=group,
+        timeout=timeout,
+        device=send.device,
+    )
+    return pending, recv
+
+
+def decode_chunks(
+    recv: Tensor, coder: ChunkCodec, shapes: Sequence[tuple[int, ...]]
+) -> list[Tensor]:
+    """The chunks of ``shapes`` (one per source rank, in rank order) carried by ``recv``."""
+    parts = recv.split([coder.wire_size(math.prod(s)) for s in shapes])
+    return [coder.decode(p, s) for p, s in zip(parts, shapes, strict=True)]
