@@ -55,6 +55,7 @@ from embshard_optim.combined import CombinedOptimizer
 from embshard_optim.fused import EmptyFusedOptimizer
 from embshard_optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from embshard_optim.specs import OptimizerSpec, OptimType
+from embshard_types.comm_codec import QCommCodecsRegistry
 from embshard_types.env import ShardingEnv
 from embshard_types.interfaces import ModuleSharder
 from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
@@ -84,10 +85,14 @@ class DistributedModelParallel(nn.Module):
             ``None`` for the torch optimizer of the same kind (see ``embshard_dist.dmp.dense``).
         init_data_parallel: wrap the dense rest in DDP now (else call :meth:`init_data_parallel`).
         output_dtensor: expose sharded weights and optimizer state as DTensors.
+        qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value for the default
+            sharders (see ``embshard_dist.comm.qcomms.get_qcomm_codecs_registry``); with your
+            own ``sharders``, give it to them instead.
 
     Raises:
-        ValueError: a plan that does not fit the model or the world, or ranks that hold
-            different plans or source weights (named table / module / rank).
+        ValueError: a plan that does not fit the model or the world, ranks that hold
+            different plans or source weights (named table / module / rank), or both
+            ``sharders`` and ``qcomm_codecs_registry``.
         CollectiveError: a peer died or hung during the checks or the sharding.
     """
 
@@ -103,12 +108,23 @@ class DistributedModelParallel(nn.Module):
         dense_optimizer: type[torch.optim.Optimizer] | DenseOptimizerFactory | None = None,
         init_data_parallel: bool = True,
         output_dtensor: bool = False,
+        qcomm_codecs_registry: QCommCodecsRegistry | None = None,
     ) -> None:
         super().__init__()
+        if sharders is not None and qcomm_codecs_registry is not None:
+            raise ValueError(
+                "DistributedModelParallel: qcomm_codecs_registry only configures the default "
+                "sharders; you passed your own sharders, so give the registry to them "
+                "(EmbeddingBagCollectionSharder(qcomm_codecs_registry=...)) and drop it here"
+            )
         self._env = _resolve_env(env, output_dtensor)
         self._device = _resolve_device(device, self._env)
         self._spec = _resolve_spec(optimizer, module)
-        self._sharders = list(sharders) if sharders is not None else _default_sharders(self._spec)
+        self._sharders = (
+            list(sharders)
+            if sharders is not None
+            else _default_sharders(self._spec, qcomm_codecs_registry)
+        )
         self._dense_factory = dense_optimizer_factory(dense_optimizer, self._spec)
         if plan is None:
             planner = SimplePlanner(
@@ -351,13 +367,15 @@ def _resolve_spec(optimizer: OptimizerSpec | str | None, model: nn.Module) -> Op
     return optimizer
 
 
-def _default_sharders(spec: OptimizerSpec) -> list[ModuleSharder[Any]]:
+def _default_sharders(
+    spec: OptimizerSpec, registry: QCommCodecsRegistry | None
+) -> list[ModuleSharder[Any]]:
     from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
     from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
 
     return [
-        EmbeddingBagCollectionSharder(optimizer=spec),
-        EmbeddingCollectionSharder(optimizer=spec),
+        EmbeddingBagCollectionSharder(optimizer=spec, qcomm_codecs_registry=registry),
+        EmbeddingCollectionSharder(optimizer=spec, qcomm_codecs_registry=registry),
     ]
 
 

@@ -211,6 +211,7 @@ def train_rank(config: TrainConfig) -> int:
     from embshard_dist.models.dlrm import DLRM
     from embshard_dist.planner.simple import SimplePlanner
     from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+    from embshard_dist.sharding.nodes import resolve_local_world_size
     from embshard_optim.specs import OptimizerSpec
     from embshard_types.configs import EmbeddingBagConfig
 
@@ -229,11 +230,20 @@ def train_rank(config: TrainConfig) -> int:
     spec = OptimizerSpec.from_name(config.optimizer, lr=config.lr)
     torch.manual_seed(config.seed)
     model = DLRM(tables)
-    sharders: list[Any] = [EmbeddingBagCollectionSharder(optimizer=spec)]
-    planner = SimplePlanner(
-        world, device_type=device.type, sharding=config.sharding, optimizer=spec
-    )
     try:
+        # ranks per node: torchrun's LOCAL_WORLD_SIZE (the launcher sets it to --nproc), so the
+        # planner and the node-aware sharding types agree on the nodes
+        local = resolve_local_world_size(world)
+        sharders: list[Any] = [
+            EmbeddingBagCollectionSharder(optimizer=spec, local_world_size=local)
+        ]
+        planner = SimplePlanner(
+            world,
+            device_type=device.type,
+            sharding=config.sharding,
+            optimizer=spec,
+            local_world_size=local,
+        )
         plan = planner.collective_plan(model, sharders)
         dmp = DistributedModelParallel(
             model, device=device, plan=plan, sharders=sharders, optimizer=spec
@@ -243,7 +253,8 @@ def train_rank(config: TrainConfig) -> int:
         return 2
     _say(
         rank,
-        f"embshard train: {world} ranks on {device.type}, optimizer {config.optimizer}, "
+        f"embshard train: {world} ranks ({world // local} node(s) x {local}) on {device.type}, "
+        f"optimizer {config.optimizer}, "
         f"{config.tables} tables of {config.rows} x {config.dim}\n\n{plan}\n",
     )
     optimizer = dmp.optimizer()
@@ -298,6 +309,7 @@ def train_rank(config: TrainConfig) -> int:
         elapsed = after_first - started
     summary = {
         "world_size": world,
+        "local_world_size": local,
         "device": device.type,
         "steps": ran,
         "first_step": start,

@@ -182,7 +182,12 @@ def partition(
         try:
             best = greedy(ctx, memory_first=True)
         except NoFit:
-            raise first from None
+            # Whatever the search mode, refuse only when a search finds no fit either: the
+            # greedy passes can paint themselves into a corner a wider search avoids.
+            rescued = _rescue(ctx, beam_budget, exact_budget)
+            if rescued is None:
+                raise first from None
+            best = rescued
     best = improve(ctx, best)
     method = "greedy+local"
     if search in ("beam", "exact", "auto"):
@@ -203,3 +208,12 @@ def partition(
             elif optimal:
                 method += ", proven optimal"
     return Partition(best.choices, best.state.max_s, method, optimal)
+
+
+def _rescue(ctx: PartitionContext, beam_budget: int, exact_budget: int) -> SearchResult | None:
+    """A partition that fits when both greedy passes failed, or ``None`` when none is found."""
+    evaluations = max(1, sum(len(o) for o in ctx.options))
+    found = beam_search(ctx, max(1, min(64, beam_budget // evaluations)))
+    if found is not None:
+        return found
+    return exact_search(ctx, None, exact_budget)
