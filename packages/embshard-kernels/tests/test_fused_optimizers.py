@@ -3,9 +3,10 @@
 The reference keeps a dense float64 copy of every table and of its optimizer state, takes the
 exact per-row gradient from autograd through ``F.embedding_bag`` / ``F.embedding``, and applies
 each optimizer's formula (written out below, independently of embshard-optim's rules) to the
-rows the batch touched. SGD, Adagrad and RowWiseAdagrad run on FBGEMM's TBE; Adam, partial
-row-wise Adam, LAMB, partial row-wise LAMB, LARS-SGD and RowWiseAdagrad with weight decay run on
-embshard's plain-torch TBE.
+rows the batch touched. SGD, Adagrad and RowWiseAdagrad run on FBGEMM's TBE (forced); SGD and
+RowWiseAdagrad also on the fast path of embshard's plain-torch TBE (RowWiseAdagrad's default on
+pooled CPU tables); Adam, partial row-wise Adam, LAMB, partial row-wise LAMB, LARS-SGD and
+RowWiseAdagrad with weight decay on its general path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from kernel_testing import (
 from torch import Tensor
 
 from embshard_kernels.fused import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
-from embshard_kernels.tbe import FbgemmFusedTBE
+from embshard_kernels.tbe import Backend, FbgemmFusedTBE
+from embshard_kernels.torch_fused import TorchFusedTBE
 from embshard_optim.specs import OptimizerSpec, OptimType, WeightDecayMode
 from embshard_types.vocab import PoolingType
 
@@ -170,10 +172,14 @@ def _config(spec: OptimizerSpec, pooling: str, weighted: bool):
     )
 
 
-def _run(spec: OptimizerSpec, pooling: str, weighted: bool, steps: int = 4) -> None:
+def _run(
+    spec: OptimizerSpec, pooling: str, weighted: bool, steps: int = 4, backend: Backend = "auto"
+) -> None:
     config = _config(spec, pooling, weighted)
     sequence = pooling == "none"
-    kernel = (BatchedFusedEmbedding if sequence else BatchedFusedEmbeddingBag)(config)
+    kernel = (BatchedFusedEmbedding if sequence else BatchedFusedEmbeddingBag)(
+        config, backend=backend
+    )
     ref = Reference(spec, kernel.split_embedding_weights())
     initial = [w.detach().clone() for w in kernel.split_embedding_weights()]
     rows = {"f1": 9, "f2": 9, "f3": 6}
@@ -216,9 +222,18 @@ def _run(spec: OptimizerSpec, pooling: str, weighted: bool, steps: int = 4) -> N
 @pytest.mark.parametrize("pooling,weighted", [("sum", True), ("mean", False)])
 def test_fbgemm_optimizers_match_reference(name: str, pooling: str, weighted: bool) -> None:
     spec = FBGEMM_SPECS[name]
-    kernel = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted))
+    kernel = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted), backend="fbgemm")
     assert isinstance(kernel.emb_module, FbgemmFusedTBE)
-    _run(spec, pooling, weighted)
+    _run(spec, pooling, weighted, backend="fbgemm")
+
+
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("pooling,weighted", [("sum", True), ("sum", False), ("mean", False)])
+def test_fast_pooled_path_matches_reference(name: str, pooling: str, weighted: bool) -> None:
+    spec = FBGEMM_SPECS[name]
+    kernel = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted), backend="torch")
+    assert isinstance(kernel.emb_module, TorchFusedTBE) and kernel.emb_module.fast is not None
+    _run(spec, pooling, weighted, backend="torch")
 
 
 @pytest.mark.parametrize("name", sorted(TORCH_SPECS))

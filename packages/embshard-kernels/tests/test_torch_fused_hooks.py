@@ -50,7 +50,9 @@ def test_grad_exchange_sees_every_table_and_its_result_is_applied() -> None:
     for a, b in zip(
         doubled.split_embedding_weights(), reference.split_embedding_weights(), strict=True
     ):
-        assert torch.equal(a, b)
+        # The hooked kernel takes the general path, the reference the fast pooled one: the same
+        # update, summed in a possibly different order.
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_row_reductions_complete_row_statistics() -> None:

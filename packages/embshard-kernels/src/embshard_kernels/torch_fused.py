@@ -18,6 +18,12 @@ backward, even one whose batch touched no row (so that replicas can exchange the
 collective), and its result is what the rule applies; ``row_reductions[table]`` is the
 :class:`~embshard_optim.sparse_rules.base.RowReduction` of a table whose columns are split across
 shards (row-wise statistics over the full rows).
+
+Where :func:`~embshard_kernels.fast_pooled.fast_path_refusal` allows it (SUM / MEAN pooled
+float32 tables on the CPU, SGD or RowWiseAdagrad without weight decay or max-norm), the lookup
+and the update run on :class:`~embshard_kernels.fast_pooled.FastPooledPath` (one sort and one
+sparse product per step, row-wise state in one flat buffer); a backward that has a hook set or
+needs the gradient of per-sample weights takes the general path, which gives the same result.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from embshard_kernels.fast_pooled import FastPooledPath, RunBatch, fast_path_refusal
 from embshard_kernels.fbgemm_mapping import data_type_to_dtype
 from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.grouping import GroupedEmbeddingConfig
@@ -70,10 +77,22 @@ class TorchFusedTBE(nn.Module):
         self.pooling = config.pooling
         self.output_dtype = data_type_to_dtype(params.output_dtype)
         self.rule = rule_for(params.optimizer)
-        self.states = [
-            self.rule.init_state(rows, cols, dtype=torch.float32, device=device)
-            for rows, cols in shapes
-        ]
+        fast = fast_path_refusal(config, params.optimizer, device) is None
+        self.fast = FastPooledPath(config, self._starts) if fast else None
+        if self.fast is not None:  # row-wise state only: one flat buffer, viewed per table
+            total = sum(rows for rows, _ in shapes)
+            self._row_state = self.rule.init_state(total, 1, dtype=torch.float32, device=device)
+            firsts = [sum(rows for rows, _ in shapes[:t]) for t in range(len(shapes))]
+            self.states = [
+                {name: flat[first : first + rows] for name, flat in self._row_state.items()}
+                for first, (rows, _) in zip(firsts, shapes, strict=True)
+            ]
+        else:
+            self._row_state = {}
+            self.states = [
+                self.rule.init_state(rows, cols, dtype=torch.float32, device=device)
+                for rows, cols in shapes
+            ]
         self.step = 0
         self.grad_exchange: GradExchange | None = None
         self.row_reductions: list[RowReduction | None] | None = None
@@ -136,7 +155,10 @@ class TorchFusedTBE(nn.Module):
         offsets: Tensor,
         per_sample_weights: Tensor | None,
         layout: CallLayout,
+        batches: list[RunBatch] | None = None,
     ) -> Tensor:
+        if self.fast is not None and batches is not None:
+            return self.fast.lookup(self.weights.detach(), batches, layout).to(self.output_dtype)
         tables = self.tables()
         if self.pooling is PoolingType.NONE:
             out = sequence_lookup(tables, self.feature_table_map, indices, offsets, layout)
@@ -160,8 +182,22 @@ class TorchFusedTBE(nn.Module):
         per_sample_weights: Tensor | None,
         layout: CallLayout,
         need_weight_grad: bool,
+        batches: list[RunBatch] | None = None,
     ) -> Tensor | None:
-        """Apply the optimizer to every touched row; return d(loss)/d(per_sample_weights)."""
+        """Apply the optimizer to every touched row; return d(loss)/d(per_sample_weights).
+
+        ``batches`` (from :meth:`FastPooledPath.batches` in the forward) selects the fast path
+        when no hook is set and no per-sample weight needs a gradient.
+        """
+        hooked = self.grad_exchange is not None or any(
+            r is not None for r in self.row_reductions or []
+        )
+        needs_weight_grad = per_sample_weights is not None and need_weight_grad
+        if self.fast is not None and batches is not None and not hooked and not needs_weight_grad:
+            self.step += 1
+            weights = self.weights.detach()
+            self.fast.update(weights, self._row_state, grad_output, batches, layout, self.rule.spec)
+            return None
         per_id = self._per_id_grads(grad_output.float(), offsets, per_sample_weights, layout)
         tables = self.tables()
         weight_grad = None
@@ -237,7 +273,12 @@ class _FusedLookup(torch.autograd.Function):
         ctx.module = module
         ctx.layout = layout
         ctx.save_for_backward(indices, offsets, per_sample_weights)
-        return module.lookup(indices, offsets, per_sample_weights, layout)
+        ctx.batches = (
+            module.fast.batches(indices, offsets, per_sample_weights, layout)
+            if module.fast is not None
+            else None
+        )
+        return module.lookup(indices, offsets, per_sample_weights, layout, ctx.batches)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
@@ -249,5 +290,6 @@ class _FusedLookup(torch.autograd.Function):
             per_sample_weights,
             ctx.layout,
             need_weight_grad=ctx.needs_input_grad[3],
+            batches=ctx.batches,
         )
         return None, None, None, weight_grad, None, None

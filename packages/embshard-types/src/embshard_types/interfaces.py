@@ -200,15 +200,17 @@ class ShardedModule(abc.ABC, nn.Module, Generic[CompIn, DistOut, Out, ShrdCtx]):
     def write_dist(self, ctx: ShrdCtx, *input: Any, **kwargs: Any) -> Awaitable[Awaitable[CompIn]]:
         """Start sending rows to write to the ranks that hold them (key-value tables)."""
         raise NotImplementedError(
-            f"{type(self).__name__} does not support writes; use a key-value compute kernel "
-            "(ComputeKernel.KEY_VALUE) whose sharded module implements write_dist and update"
+            f"{type(self).__name__} does not support writes (only a sharded module that "
+            "implements write_dist and update does); to set rows of its tables, load them with "
+            "load_state_dict"
         )
 
     def update(self, ctx: ShrdCtx, dist_input: CompIn) -> None:
         """Write the distributed rows into the local shards."""
         raise NotImplementedError(
-            f"{type(self).__name__} does not support updates; use a key-value compute kernel "
-            "(ComputeKernel.KEY_VALUE) whose sharded module implements write_dist and update"
+            f"{type(self).__name__} does not support updates (only a sharded module that "
+            "implements write_dist and update does); to set rows of its tables, load them with "
+            "load_state_dict"
         )
 
     def write(self, *input: Any, **kwargs: Any) -> None:

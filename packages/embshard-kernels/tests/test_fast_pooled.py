@@ -1,0 +1,167 @@
+"""The fast pooled path of the torch fused TBE: same training as the general path, picked by auto.
+
+The general path (per-id gradients, ``aggregate`` and embshard-optim's rules) is the reference:
+a pass-through ``grad_exchange`` hook sends a kernel there. Both must train alike to float32
+rounding (the per-row gradient sums add the same terms, not always in the same order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from kernel_testing import bit_identical, one_group, random_kjt, snapshot, table
+from torch import Tensor
+
+from embshard_kernels.fast_pooled import FastPooledPath, fast_path_refusal, table_runs
+from embshard_kernels.fused import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
+from embshard_kernels.tbe import FbgemmFusedTBE
+from embshard_kernels.torch_fused import TorchFusedTBE
+from embshard_optim.specs import OptimizerSpec
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+
+SPECS = {
+    "sgd": OptimizerSpec.from_name("sgd", lr=0.3),
+    "rowwise_adagrad": OptimizerSpec.from_name("rowwise_adagrad", lr=0.1, eps=1e-3),
+}
+ROWS = {"f1": 7, "f2": 7, "f3": 5, "f4": 9}
+
+
+def _config(spec: OptimizerSpec, pooling: str = "sum", weighted: bool = False):  # type: ignore[no-untyped-def]
+    # widths 8, 8, 4: two runs; table "a" serves two features
+    return one_group(
+        table("a", 7, 8, ["f1", "f2"], pooling=pooling, weighted=weighted, optimizer=spec),
+        table("b", 5, 8, ["f3"], pooling=pooling, weighted=weighted, optimizer=spec),
+        table("c", 9, 4, ["f4"], pooling=pooling, weighted=weighted, optimizer=spec),
+    )
+
+
+def _pair(spec: OptimizerSpec, pooling: str, weighted: bool):  # type: ignore[no-untyped-def]
+    """A kernel on the fast path and one forced onto the general path, same weights."""
+    fast = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted), backend="torch")
+    general = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted), backend="torch")
+    general.load_state_dict(fast.state_dict())
+    tbe = general.emb_module
+    assert isinstance(tbe, TorchFusedTBE) and tbe.fast is not None
+
+    def passthrough(t: int, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+        return rows, grads
+
+    tbe.grad_exchange = passthrough
+    return fast, general
+
+
+def _train(kernel: BatchedFusedEmbeddingBag, kjt: KeyedJaggedTensor, seed: int) -> None:
+    out = kernel(kjt)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def _kjt(step: int, weighted: bool, batch_sizes: list[int] | None = None) -> KeyedJaggedTensor:
+    features = list(ROWS.items())
+    return random_kjt(features, 5, max_len=6, weighted=weighted, seed=step, batch_sizes=batch_sizes)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize(
+    "pooling,weighted,variable",
+    [("sum", False, False), ("sum", True, False), ("mean", False, False), ("sum", False, True)],
+)
+def test_fast_path_trains_like_the_general_path(
+    name: str, pooling: str, weighted: bool, variable: bool
+) -> None:
+    fast, general = _pair(SPECS[name], pooling, weighted)
+    initial = snapshot(fast.split_embedding_weights())
+    for step in range(4):
+        sizes = [3, 5, 1, 4] if variable else None
+        kjt = _kjt(step, weighted, sizes)
+        _train(fast, kjt, 100 + step)
+        _train(general, kjt, 100 + step)
+    got, want = fast.split_embedding_weights(), general.split_embedding_weights()
+    assert any((g - w).abs().max() > 1e-3 for g, w in zip(got, initial, strict=True))
+    got_state = [s for t in fast.emb_module.get_optimizer_state() for s in t.values()]
+    want_state = [s for t in general.emb_module.get_optimizer_state() for s in t.values()]
+    for a, b in zip(got + got_state, want + want_state, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_stale_workspace_values_do_not_leak() -> None:
+    fast, general = _pair(SPECS["rowwise_adagrad"], "sum", False)
+    for step in range(3):
+        tbe = fast.emb_module
+        assert isinstance(tbe, TorchFusedTBE) and isinstance(tbe.fast, FastPooledPath)
+        tbe.fast._workspace(64, 8).fill_(float("nan"))
+        kjt = _kjt(step, False)
+        _train(fast, kjt, step)
+        _train(general, kjt, step)
+    for a, b in zip(fast.split_embedding_weights(), general.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_per_sample_weight_gradient_takes_the_general_path() -> None:
+    fast, general = _pair(SPECS["rowwise_adagrad"], "sum", True)
+    kjt = _kjt(0, True)
+    grads = []
+    for kernel in (fast, general):
+        weights = kjt.weights().clone().requires_grad_(True)
+        batch = KeyedJaggedTensor(kjt.keys(), kjt.values(), weights=weights, lengths=kjt.lengths())
+        _train(kernel, batch, 7)
+        grads.append(weights.grad)
+    assert grads[0] is not None and bit_identical([grads[0]], [grads[1]])
+    assert bit_identical(fast.split_embedding_weights(), general.split_embedding_weights())
+
+
+def test_an_empty_batch_changes_nothing() -> None:
+    fast, _ = _pair(SPECS["rowwise_adagrad"], "sum", False)
+    before = snapshot(fast.split_embedding_weights())
+    empty = KeyedJaggedTensor(
+        list(ROWS), torch.zeros(0, dtype=torch.long), lengths=torch.zeros(8, dtype=torch.long)
+    )
+    _train(fast, empty, 0)
+    assert bit_identical(fast.split_embedding_weights(), before)
+
+
+def test_auto_prefers_the_fast_path_only_for_rowwise_adagrad_on_pooled_fp32_tables() -> None:
+    def tbe(spec: OptimizerSpec, **kwargs: object) -> object:
+        tables = [replace(t, **kwargs) for t in _config(spec).embedding_tables]  # type: ignore[arg-type]
+        return BatchedFusedEmbeddingBag(one_group(*tables)).emb_module
+
+    fast = tbe(SPECS["rowwise_adagrad"])
+    assert isinstance(fast, TorchFusedTBE) and fast.fast is not None
+    assert isinstance(tbe(SPECS["sgd"]), FbgemmFusedTBE)
+    assert isinstance(tbe(OptimizerSpec.from_name("adagrad", lr=0.1)), FbgemmFusedTBE)
+    assert isinstance(tbe(SPECS["rowwise_adagrad"], data_type="fp16"), FbgemmFusedTBE)
+    forced = BatchedFusedEmbeddingBag(_config(SPECS["rowwise_adagrad"]), backend="fbgemm")
+    assert isinstance(forced.emb_module, FbgemmFusedTBE)
+    sequence = one_group(table("s", 4, 8, pooling="none", optimizer=SPECS["rowwise_adagrad"]))
+    assert isinstance(BatchedFusedEmbedding(sequence).emb_module, FbgemmFusedTBE)
+
+
+def test_refusals_say_why() -> None:
+    config = _config(SPECS["rowwise_adagrad"])
+    decayed = replace(SPECS["rowwise_adagrad"], weight_decay=0.1)
+    assert fast_path_refusal(config, SPECS["rowwise_adagrad"], None) is None
+    assert "weight decay" in str(fast_path_refusal(config, decayed, None))
+    assert "CPU" in str(fast_path_refusal(config, SPECS["sgd"], "meta"))
+    adam = OptimizerSpec.from_name("adam", lr=0.1)
+    assert "ADAM" in str(fast_path_refusal(config, adam, None))
+    sequence = one_group(table("s", 4, 8, pooling="none", optimizer=SPECS["sgd"]))
+    assert "pooling" in str(fast_path_refusal(sequence, SPECS["sgd"], None))
+
+
+def test_table_runs_group_consecutive_tables_of_one_width() -> None:
+    shapes = [(3, 8), (2, 8), (4, 4), (0, 4), (5, 8)]
+    starts = [0, 24, 40, 56, 56]
+    runs = table_runs(shapes, starts, [0, 0, 1, 2, 3, 4])
+    assert [(r.start, r.first_row, r.rows, r.width) for r in runs] == [
+        (0, 0, 5, 8),
+        (40, 5, 4, 4),
+        (56, 9, 5, 8),
+    ]
+    assert [(r.features, r.row_bases) for r in runs] == [
+        (range(0, 3), (0, 0, 3)),
+        (range(3, 5), (0, 4)),
+        (range(5, 6), (0,)),
+    ]
+    with pytest.raises(ValueError, match="table by table"):
+        table_runs(shapes, starts, [1, 0, 2, 3, 4])
