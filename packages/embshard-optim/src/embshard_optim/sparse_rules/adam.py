@@ -46,10 +46,7 @@ def adam_update(
     """FBGEMM ``ADAM`` on ``rows`` (unchecked; see ``SparseRule``; point-wise, so
     ``reduction`` is not needed)."""
     g = grad.to(compute_dtype(weight))
-    m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
-    m2 = ema_rows(state["momentum2"], rows, spec.beta2, g * g)
-    denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
-    _apply_decoupled(spec, weight, rows, m1 / bias_correction(spec.beta1, step) / denominator)
+    _apply_decoupled(spec, weight, rows, adam_direction(spec, state, rows, g, step))
 
 
 def partial_rowwise_adam_update(
@@ -64,11 +61,36 @@ def partial_rowwise_adam_update(
 ) -> None:
     """FBGEMM ``PARTIAL_ROWWISE_ADAM`` on ``rows`` (unchecked; see ``SparseRule``)."""
     g = grad.to(compute_dtype(weight))
+    update = partial_rowwise_adam_direction(spec, state, rows, g, step, reduction)
+    _apply_decoupled(spec, weight, rows, update)
+
+
+def adam_direction(
+    spec: OptimizerSpec, state: Mapping[str, Tensor], rows: Tensor, g: Tensor, step: int
+) -> Tensor:
+    """Advance Adam's point-wise moments of ``rows`` by ``g``; return ``(m1/bc1) /
+    (sqrt(m2/bc2) + eps)`` (shared by Adam and LAMB)."""
+    m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
+    m2 = ema_rows(state["momentum2"], rows, spec.beta2, g * g)
+    denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
+    return m1 / bias_correction(spec.beta1, step) / denominator
+
+
+def partial_rowwise_adam_direction(
+    spec: OptimizerSpec,
+    state: Mapping[str, Tensor],
+    rows: Tensor,
+    g: Tensor,
+    step: int,
+    reduction: RowReduction | None,
+) -> Tensor:
+    """As :func:`adam_direction` with a row-wise second moment (mean of ``g**2`` over the full
+    row; ``reduction`` completes it across column shards). Shared by the partial row-wise
+    Adam and LAMB."""
     m2 = ema_rows(state["momentum2"], rows, spec.beta2, row_mean_square(g, reduction))
     denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
     m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
-    update = m1 / bias_correction(spec.beta1, step) / denominator[:, None]
-    _apply_decoupled(spec, weight, rows, update)
+    return m1 / bias_correction(spec.beta1, step) / denominator[:, None]
 
 
 def _apply_decoupled(spec: OptimizerSpec, weight: Tensor, rows: Tensor, update: Tensor) -> None:

@@ -19,13 +19,11 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
+from embshard_optim.sparse_rules.adam import adam_direction, partial_rowwise_adam_direction
 from embshard_optim.sparse_rules.base import (
     RowReduction,
-    bias_correction,
     compute_dtype,
-    ema_rows,
     gather,
-    row_mean_square,
     row_norms,
     safe_ratio,
     write_rows,
@@ -45,10 +43,7 @@ def lamb_update(
 ) -> None:
     """FBGEMM ``LAMB`` on ``rows`` (unchecked; see ``SparseRule``)."""
     g = grad.to(compute_dtype(weight))
-    m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
-    m2 = ema_rows(state["momentum2"], rows, spec.beta2, g * g)
-    denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
-    update = m1 / bias_correction(spec.beta1, step) / denominator
+    update = adam_direction(spec, state, rows, g, step)
     _apply_trust_ratio(spec, weight, rows, update, reduction)
 
 
@@ -64,10 +59,7 @@ def partial_rowwise_lamb_update(
 ) -> None:
     """FBGEMM ``PARTIAL_ROWWISE_LAMB`` on ``rows`` (unchecked; see ``SparseRule``)."""
     g = grad.to(compute_dtype(weight))
-    m2 = ema_rows(state["momentum2"], rows, spec.beta2, row_mean_square(g, reduction))
-    denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
-    m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
-    update = m1 / bias_correction(spec.beta1, step) / denominator[:, None]
+    update = partial_rowwise_adam_direction(spec, state, rows, g, step, reduction)
     _apply_trust_ratio(spec, weight, rows, update, reduction)
 
 
