@@ -1,12 +1,14 @@
 """The update hooks of embshard's torch fused TBE (used by sharded collections).
 
-``grad_exchange`` sees every table's summed row gradients in every backward, even a table the
-batch did not touch, and what it returns is what the optimizer applies; ``row_reductions``
-hands each table's rule a RowReduction (full-row statistics of a column shard).
+``grad_exchange`` sees every block's summed row gradients in every backward (a table on the
+general path, a run of same-width tables on the fast path), even a block the batch did not
+touch, and what it returns is what the optimizer applies; ``row_reductions`` hands each table's
+rule a RowReduction (full-row statistics of a column shard). Both hold on both paths.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kernel_testing import one_group, table
 from torch import Tensor
@@ -19,9 +21,12 @@ from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 SPEC = OptimizerSpec.from_name("rowwise_adagrad", lr=0.2)
 
 
-def _kernel(dim: int = 4) -> BatchedFusedEmbeddingBag:
+def _kernel(dim: int = 4, general: bool = False) -> BatchedFusedEmbeddingBag:
     config = one_group(table("a", 5, dim, optimizer=SPEC), table("b", 3, dim, optimizer=SPEC))
     kernel = BatchedFusedEmbeddingBag(config, backend="torch")
+    assert kernel.emb_module.fast is not None
+    if general:  # the general path: per-table blocks
+        kernel.emb_module.fast = None
     with torch.no_grad():
         for i, w in enumerate(kernel.split_embedding_weights()):
             w.copy_(torch.arange(w.numel(), dtype=torch.float32).view(w.shape) / (10 + i))
@@ -34,17 +39,21 @@ def _step(kernel: BatchedFusedEmbeddingBag, scale: float = 1.0) -> None:
     (out * scale * torch.arange(out.numel()).view(out.shape)).sum().backward()
 
 
-def test_grad_exchange_sees_every_table_and_its_result_is_applied() -> None:
-    doubled = _kernel()
-    calls: list[tuple[int, list[int]]] = []
+@pytest.mark.parametrize("general", [False, True], ids=["fast", "general"])
+def test_grad_exchange_sees_every_block_and_its_result_is_applied(general: bool) -> None:
+    doubled = _kernel(general=general)
+    calls: list[tuple[str, list[int]]] = []
 
-    def exchange(t: int, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-        calls.append((t, rows.tolist()))
+    def exchange(label: str, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+        calls.append((label, rows.tolist()))
         return rows, grads * 2
 
     doubled.emb_module.grad_exchange = exchange
     _step(doubled)
-    assert calls == [(0, [1, 3]), (1, [])]  # table "b" had no ids, and was still offered
+    if general:
+        assert calls == [("a", [1, 3]), ("b", [])]  # table "b" had no ids, and was still offered
+    else:
+        assert calls == [("a+b", [1, 3])]  # one run: rows of "a" then "b" (5 + id)
     reference = _kernel()
     _step(reference, scale=2.0)
     for a, b in zip(
@@ -55,10 +64,11 @@ def test_grad_exchange_sees_every_table_and_its_result_is_applied() -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_row_reductions_complete_row_statistics() -> None:
+@pytest.mark.parametrize("general", [False, True], ids=["fast", "general"])
+def test_row_reductions_complete_row_statistics(general: bool) -> None:
     # A width-4 shard whose missing columns are a copy of its own (same weights, same
     # gradients) must update like either half of the whole width-8 table.
-    half, whole = _kernel(4), _kernel(8)
+    half, whole = _kernel(4, general=general), _kernel(8)
     reduction = RowReduction(lambda partial: 2 * partial, full_dim=8)
     half.emb_module.row_reductions = [reduction, reduction]
     with torch.no_grad():

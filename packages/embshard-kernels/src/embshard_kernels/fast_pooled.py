@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,8 +39,12 @@ from torch import Tensor
 from embshard_kernels.fbgemm_mapping import device_type
 from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, arrange_pooled, split_pooled
+from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.vocab import DataType, PoolingType
+
+RowExchange = Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""``(label, rows, summed grads) -> (rows, grads)``: what the update applies (see ``update``)."""
 
 FAST_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
 """Optimizers the fast path applies (RowWiseAdagrad without weight decay or max-norm)."""
@@ -81,6 +86,7 @@ class TableRun:
         width: columns of every table of the run.
         features: the features that read a table of the run (``range(first, end)``).
         row_bases: per feature of ``features``, the first row of its table in the block.
+        tables: the group's tables in the run (``range(first, end)``).
     """
 
     start: int
@@ -89,6 +95,7 @@ class TableRun:
     width: int
     features: range
     row_bases: tuple[int, ...]
+    tables: range = range(0)
 
 
 def table_runs(
@@ -123,6 +130,7 @@ def table_runs(
                 row_bases=tuple(
                     first_rows[feature_table_map[f]] - first_rows[first] for f in features
                 ),
+                tables=range(first, t),
             )
         )
         first = t
@@ -156,6 +164,9 @@ class FastPooledPath:
         self.runs = table_runs(shapes, starts, config.feature_table_map())
         self.feature_dims = config.embedding_dims()
         self.pooling = config.pooling
+        names = [t.name for t in config.embedding_tables]
+        self.labels = ["+".join(names[t] for t in run.tables) for run in self.runs]
+        """Per run, its tables' names joined by ``+`` (what a row exchange is told)."""
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
         self._buffer = torch.empty(0)
@@ -217,6 +228,26 @@ class FastPooledPath:
                 blocks[f] = block
         return arrange_pooled(blocks, layout.batch_per_rank)
 
+    def run_reductions(
+        self, reductions: Sequence[RowReduction | None] | None
+    ) -> list[RowReduction | None] | None:
+        """Per run, the row reduction of its table, given per table; ``None``: not expressible.
+
+        A run of several tables can carry no reduction (it would mix tables' rows).
+        """
+        if reductions is None:
+            return [None] * len(self.runs)
+        out: list[RowReduction | None] = []
+        for run in self.runs:
+            mine = [reductions[t] for t in run.tables]
+            if len(mine) == 1:
+                out.append(mine[0])
+            elif any(r is not None for r in mine):
+                return None
+            else:
+                out.append(None)
+        return out
+
     def update(
         self,
         flat: Tensor,
@@ -225,41 +256,46 @@ class FastPooledPath:
         batches: list[RunBatch],
         layout: CallLayout,
         spec: OptimizerSpec,
+        exchange: RowExchange | None = None,
+        reductions: Sequence[RowReduction | None] | None = None,
     ) -> None:
-        """Apply ``spec`` to every touched row (``state``: flat row-wise state of all rows)."""
+        """Apply ``spec`` to every touched row (``state``: flat row-wise state of all rows).
+
+        Args:
+            flat: the group's flat weight buffer.
+            state: the flat row-wise optimizer state.
+            grad_output: the output gradient, in the lookup's layout.
+            batches: the forward's :meth:`batches`.
+            layout: the call's layout.
+            spec: the optimizer.
+            exchange: called for every run, in order, even one without ids, with the run's
+                label, its touched rows (sorted, int64, rows of the run) and their summed
+                gradients; what it returns is applied (e.g. rows summed over replicas).
+            reductions: per run (:meth:`run_reductions`), how to complete row statistics of a
+                column shard, or ``None``.
+        """
         grads = split_pooled(grad_output.float(), self.feature_dims, layout.batch_per_rank)
-        for run, batch in zip(self.runs, batches, strict=True):
-            if batch.rows.numel() == 0:
+        for i, (run, batch) in enumerate(zip(self.runs, batches, strict=True)):
+            if batch.rows.numel() == 0 and exchange is None:
                 continue
             parts = [grads[f] for f in run.features]
-            bag_grads = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+            if not parts:
+                bag_grads = grad_output.new_zeros(0, run.width, dtype=torch.float32)
+            else:
+                bag_grads = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
             if self.pooling is PoolingType.MEAN:
                 bag_grads = bag_grads / _divisors(batch).to(bag_grads.dtype)
+            rows, summed = self._row_sums(bag_grads, batch)
+            if exchange is not None:
+                rows, summed = exchange(self.labels[i], rows, summed)
+            if rows.numel() == 0:
+                continue
             momentum = state.get("momentum1")
             run_state = (
                 None if momentum is None else momentum[run.first_row : run.first_row + run.rows]
             )
-            self._update_run(self.run_weights(flat, run), run_state, bag_grads, batch, spec)
-
-    def _update_run(
-        self,
-        weight: Tensor,
-        momentum: Tensor | None,
-        bag_grads: Tensor,
-        batch: RunBatch,
-        spec: OptimizerSpec,
-    ) -> None:
-        rows, summed = self._row_sums(bag_grads, batch)
-        if spec.optim_type is OptimType.SGD:
-            summed.mul_(-spec.learning_rate)
-        else:
-            assert momentum is not None
-            # mean(g**2) from the row norm: one pass, where (g * g).mean(1) allocates a copy
-            mean_square = torch.linalg.vector_norm(summed, dim=1).square_().div_(summed.shape[1])
-            momentum.index_add_(0, rows, mean_square)
-            multiplier = spec.learning_rate / (momentum.index_select(0, rows).sqrt_() + spec.eps)
-            summed.mul_(multiplier.neg_().unsqueeze(1))
-        weight.index_add_(0, rows, summed)
+            reduction = reductions[i] if reductions is not None else None
+            _apply(self.run_weights(flat, run), run_state, rows, summed, spec, reduction)
 
     def _row_sums(self, bag_grads: Tensor, batch: RunBatch) -> tuple[Tensor, Tensor]:
         """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each.
@@ -269,6 +305,10 @@ class FastPooledPath:
         workspace until the next call.
         """
         n, num_bags = batch.rows.numel(), bag_grads.shape[0]
+        if n == 0:
+            return batch.rows.new_zeros(0, dtype=torch.int64), bag_grads.new_zeros(
+                0, bag_grads.shape[1]
+            )
         keys, order = torch.sort(batch.rows, stable=True)
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         crow = torch.zeros(unique.numel() + 1, dtype=keys.dtype)
@@ -297,6 +337,34 @@ class FastPooledPath:
         if self._buffer.numel() < rows * width:
             self._buffer = torch.empty(rows * width + rows * width // 4)
         return self._buffer[: rows * width].view(rows, width)
+
+
+def _apply(
+    weight: Tensor,
+    momentum: Tensor | None,
+    rows: Tensor,
+    summed: Tensor,
+    spec: OptimizerSpec,
+    reduction: RowReduction | None,
+) -> None:
+    """SGD or RowWiseAdagrad on ``rows`` (sorted, distinct) with their summed gradients.
+
+    ``summed`` is consumed (scaled in place).
+    """
+    if spec.optim_type is OptimType.SGD:
+        summed.mul_(-spec.learning_rate)
+    else:
+        assert momentum is not None
+        # mean(g**2) from the row norm: one pass, where (g * g).mean(1) allocates a copy
+        square_sum = torch.linalg.vector_norm(summed, dim=1).square_()
+        if reduction is None:
+            mean_square = square_sum.div_(summed.shape[1])
+        else:  # a column shard: the other columns' squares live on other ranks
+            mean_square = reduction.row_sum(square_sum).div(reduction.full_dim)
+        momentum.index_add_(0, rows, mean_square)
+        multiplier = spec.learning_rate / (momentum.index_select(0, rows).sqrt_() + spec.eps)
+        summed.mul_(multiplier.neg_().unsqueeze(1))
+    weight.index_add_(0, rows, summed)
 
 
 def _divisors(batch: RunBatch) -> Tensor:

@@ -13,17 +13,22 @@ optimizers apply); gradients w.r.t. per-sample weights are computed with the wei
 were before the update; output layout matches FBGEMM's (see :mod:`embshard_kernels.lookup`).
 
 Two hooks let a sharded collection change what the update sees (both ``None`` by default):
-``grad_exchange(table, rows, grads) -> (rows, grads)`` is called for every table in every
-backward, even one whose batch touched no row (so that replicas can exchange their rows in a
-collective), and its result is what the rule applies; ``row_reductions[table]`` is the
+``grad_exchange(label, rows, grads) -> (rows, grads)`` is called for every block of rows in
+every backward, even one whose batch touched no row (so that replicas can exchange their rows in
+a collective), with the block's label, its touched rows (sorted, distinct, int64, relative to the
+block) and their summed gradients, and its result is what the rule applies. A block is one table
+(label: its name) on the general path and a run of same-width tables (label: their names joined
+by ``+``) on the fast path; every rank with the same configuration makes the same calls in the
+same order. ``row_reductions[table]`` is the
 :class:`~embshard_optim.sparse_rules.base.RowReduction` of a table whose columns are split across
 shards (row-wise statistics over the full rows).
 
 Where :func:`~embshard_kernels.fast_pooled.fast_path_refusal` allows it (SUM / MEAN pooled
 float32 tables on the CPU, SGD or RowWiseAdagrad without weight decay or max-norm), the lookup
 and the update run on :class:`~embshard_kernels.fast_pooled.FastPooledPath` (one sort and one
-sparse product per step, row-wise state in one flat buffer); a backward that has a hook set or
-needs the gradient of per-sample weights takes the general path, which gives the same result.
+sparse product per step, row-wise state in one flat buffer), hooks included; a backward that
+needs the gradient of per-sample weights, or row reductions on a run of several tables, takes
+the general path, which gives the same result.
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ from embshard_optim.sparse_rules import aggregate, rule_for
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.vocab import PoolingType
 
-GradExchange = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
-"""``(table index, rows, summed grads) -> (rows, grads)`` to apply (see the module docstring)."""
+GradExchange = Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""``(block label, rows, summed grads) -> (rows, grads)`` to apply (see the module docstring)."""
 
 
 class TorchFusedTBE(nn.Module):
@@ -73,6 +78,7 @@ class TorchFusedTBE(nn.Module):
         self._starts = starts[:-1]
         self._shapes = shapes
         self.feature_table_map = config.feature_table_map()
+        self.table_names = [t.name for t in config.embedding_tables]
         self.feature_dims = config.embedding_dims()
         self.pooling = config.pooling
         self.output_dtype = data_type_to_dtype(params.output_dtype)
@@ -187,17 +193,24 @@ class TorchFusedTBE(nn.Module):
         """Apply the optimizer to every touched row; return d(loss)/d(per_sample_weights).
 
         ``batches`` (from :meth:`FastPooledPath.batches` in the forward) selects the fast path
-        when no hook is set and no per-sample weight needs a gradient.
+        when no per-sample weight needs a gradient and the row reductions fit its runs.
         """
-        hooked = self.grad_exchange is not None or any(
-            r is not None for r in self.row_reductions or []
-        )
         needs_weight_grad = per_sample_weights is not None and need_weight_grad
-        if self.fast is not None and batches is not None and not hooked and not needs_weight_grad:
-            self.step += 1
-            weights = self.weights.detach()
-            self.fast.update(weights, self._row_state, grad_output, batches, layout, self.rule.spec)
-            return None
+        if self.fast is not None and batches is not None and not needs_weight_grad:
+            reductions = self.fast.run_reductions(self.row_reductions)
+            if reductions is not None:
+                self.step += 1
+                self.fast.update(
+                    self.weights.detach(),
+                    self._row_state,
+                    grad_output,
+                    batches,
+                    layout,
+                    self.rule.spec,
+                    exchange=self.grad_exchange,
+                    reductions=reductions,
+                )
+                return None
         per_id = self._per_id_grads(grad_output.float(), offsets, per_sample_weights, layout)
         tables = self.tables()
         weight_grad = None
@@ -221,7 +234,7 @@ class TorchFusedTBE(nn.Module):
                 continue
             rows, grads = aggregate(ids, torch.cat([per_id[f] for f in features]))
             if self.grad_exchange is not None:
-                rows, grads = self.grad_exchange(t, rows, grads)
+                rows, grads = self.grad_exchange(self.table_names[t], rows, grads)
             reduction = self.row_reductions[t] if self.row_reductions is not None else None
             self.rule.apply(
                 table,

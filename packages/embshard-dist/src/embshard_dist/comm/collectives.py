@@ -16,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -201,7 +202,27 @@ def sum_rows(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
             f"sum_rows: expected 1-D row ids and one 2-D gradient row per id, got rows "
             f"{tuple(rows.shape)} and grads {tuple(grads.shape)}"
         )
-    unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    keys, order = torch.sort(rows, stable=True)
+    unique, counts = torch.unique_consecutive(keys, return_counts=True)
+    if grads.device.type == "cpu" and grads.dtype == torch.float32 and rows.numel():
+        # A sparse [unique x ids] matrix of ones (each row's ids in input order) times the
+        # gradient rows: one pass, no per-id scatter.
+        crow = torch.zeros(unique.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=crow[1:])
+        with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
+            warnings.simplefilter("ignore", UserWarning)
+            pattern = torch.sparse_csr_tensor(
+                crow,
+                order,
+                torch.ones(rows.numel()),
+                (unique.numel(), rows.numel()),
+                check_invariants=False,
+            )
+            return unique, torch.mm(pattern, grads)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.repeat_interleave(
+        torch.arange(unique.numel(), device=rows.device), counts, output_size=rows.numel()
+    )
     summed = grads.new_zeros(unique.shape[0], grads.shape[1])
     # index_add_ on CPU adds in index order, which is the input order here.
     summed.index_add_(0, inverse, grads)
@@ -218,21 +239,61 @@ def sparse_all_gather(
 ) -> tuple[Tensor, Tensor]:
     """Gather every rank's ``(row ids, gradient rows)`` and concatenate them in rank order.
 
+    Two collectives whatever the sizes: the row counts, then one message per rank holding the
+    row ids' bytes beside the gradient rows' bytes (padded to the largest count).
+
     Args:
         rows: 1-D int64 row ids touched on this rank.
         grads: ``[len(rows), dim]`` their gradients; ``dim`` and dtype equal on every rank.
         group: the process group (``None``: the default group).
         timeout: time limit in seconds (``None``: the policy of ``timeouts``).
         name: the collective's name in errors.
+
+    Raises:
+        ValueError: shapes do not fit, or ranks disagree on ``dim`` or the dtype.
     """
     if rows.dim() != 1 or grads.dim() != 2 or grads.shape[0] != rows.shape[0]:
         raise ValueError(
             f"{name}: expected 1-D row ids and one 2-D gradient row per id, got rows "
             f"{tuple(rows.shape)} and grads {tuple(grads.shape)}"
         )
-    all_rows = all_gather_v(rows.to(torch.int64), group=group, timeout=timeout, name=f"{name}.rows")
-    all_grads = all_gather_v(grads, group=group, timeout=timeout, name=f"{name}.grads")
-    return torch.cat(all_rows), torch.cat(all_grads)
+    width = grads.shape[1]
+    meta = all_gather_ints(
+        [rows.shape[0], width, dtype_code(grads.dtype)],
+        group=group,
+        timeout=timeout,
+        name=f"{name}.sizes",
+    )
+    if any(m[1:] != meta[0][1:] for m in meta):
+        raise ValueError(
+            f"{name}: ranks disagree on the gradient width or dtype: "
+            + ", ".join(f"rank {r}: {dtype_name(m[2])} x {m[1]}" for r, m in enumerate(meta))
+        )
+    counts = [m[0] for m in meta]
+    most = max(counts)
+    n = rows.shape[0]
+    id_bytes = rows.to(torch.int64).contiguous().view(torch.uint8).view(n, 8)
+    grad_bytes = grads.contiguous().view(torch.uint8).view(n, width * grads.element_size())
+    row_bytes = 8 + grad_bytes.shape[1]
+    local = grads.new_zeros((most, row_bytes), dtype=torch.uint8)
+    local[:n, :8] = id_bytes
+    local[:n, 8:] = grad_bytes
+    out = local.new_empty((len(counts) * most, row_bytes))
+    issue(
+        name,
+        lambda: dist.all_gather_single(out, local, group=group, async_op=True),
+        group=group,
+        timeout=timeout,
+        device=grads.device,
+    ).wait()
+    if all(c == most for c in counts):
+        received = out
+    else:
+        received = torch.cat([out[r * most : r * most + c] for r, c in enumerate(counts)])
+    total = received.shape[0]
+    all_rows = received[:, :8].contiguous().view(torch.int64).view(total)
+    all_grads = received[:, 8:].contiguous().view(grads.dtype).view(total, width)
+    return all_rows, all_grads
 
 
 def sparse_all_reduce(

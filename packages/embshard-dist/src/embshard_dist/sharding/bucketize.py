@@ -82,39 +82,47 @@ def bucketize_ids(
     device = values.device
     num_segments = sum(strides)
     lengths64 = lengths.to(torch.int64)
-    segment = torch.repeat_interleave(
-        torch.arange(num_segments, device=device), lengths64, output_size=values.numel()
-    )
-    feature_of_segment = torch.repeat_interleave(
-        torch.arange(num_features, device=device),
-        torch.tensor(strides, dtype=torch.int64, device=device),
-        output_size=num_segments,
-    )
-    feature = feature_of_segment[segment]
-    bounds = torch.tensor(
-        [list(b) for b in block_boundaries], dtype=torch.int64, device=device
-    ).reshape(num_features, num_buckets + 1)
+    # Ids are feature-major: feature f owns one contiguous slice of them.
+    ends = torch.cat([lengths64.new_zeros(1), torch.cumsum(lengths64, 0)])
+    cut = torch.tensor(list(itertools.accumulate(strides)), dtype=torch.int64, device=device)
+    id_ends = [0, *(int(x) for x in ends[cut].tolist())]
     ids = values.to(torch.int64)
-    _check_ids(ids, feature, segment, bounds[:, -1], strides, feature_names)
+    _check_ids(ids, id_ends, block_boundaries, lengths64, strides, feature_names)
+    per_feature = torch.tensor(
+        [b - a for a, b in itertools.pairwise(id_ends)], dtype=torch.int64, device=device
+    )
+    feature = torch.repeat_interleave(
+        torch.arange(num_features, device=device), per_feature, output_size=values.numel()
+    )
 
     # One sorted array of every feature's boundaries, shifted so the features' id ranges
     # follow one another; a single searchsorted then finds each id's bucket.
+    bounds = torch.tensor(
+        [list(b) for b in block_boundaries], dtype=torch.int64, device=device
+    ).reshape(num_features, num_buckets + 1)
     upper = bounds[:, -1]
     shift = torch.cumsum(upper, 0) - upper
     flat = (bounds + shift[:, None]).reshape(-1)
     position = torch.searchsorted(flat, ids + shift[feature], right=True) - 1
     bucket = position - feature * (num_buckets + 1)
-    local = ids - bounds[feature, bucket]
+    local = ids - bounds.reshape(-1)[position]
 
-    key = bucket * num_segments + segment
-    order = torch.sort(key, stable=True).indices
+    # The input is already feature- then sample-ordered, so a stable sort by bucket alone gives
+    # the bucket-major layout; small integer keys sort by radix.
+    narrow = torch.uint8 if num_buckets <= 255 else torch.int32
+    order = torch.sort(bucket.to(narrow), stable=True).indices
     unbucketize = torch.empty_like(order)
     unbucketize[order] = torch.arange(order.numel(), device=device)
-    new_lengths = torch.bincount(key, minlength=num_buckets * num_segments)
+    segment = torch.repeat_interleave(
+        torch.arange(num_segments, device=device), lengths64, output_size=values.numel()
+    )
+    new_lengths = torch.bincount(
+        bucket * num_segments + segment, minlength=num_buckets * num_segments
+    )
     return BucketizedIds(
         lengths=new_lengths.to(lengths.dtype),
-        values=local[order].to(values.dtype),
-        weights=None if weights is None else weights[order],
+        values=local.index_select(0, order).to(values.dtype),
+        weights=None if weights is None else weights.index_select(0, order),
         unbucketize_permute=unbucketize,
         num_buckets=num_buckets,
     )
@@ -174,22 +182,29 @@ def _check_args(
 
 def _check_ids(
     ids: Tensor,
-    feature: Tensor,
-    segment: Tensor,
-    rows: Tensor,
+    id_ends: list[int],
+    block_boundaries: Sequence[Sequence[int]],
+    lengths: Tensor,
     strides: list[int],
     feature_names: Sequence[str] | None,
 ) -> None:
-    bad = (ids < 0) | (ids >= rows[feature])
-    if not bool(bad.any()):
-        return
-    i = int(torch.nonzero(bad)[0])
-    f = int(feature[i])
-    sample = int(segment[i]) - sum(strides[:f])
-    raise ValueError(
-        f"bucketize_ids: {_feature_label(feature_names, f)}, sample {sample}: id {int(ids[i])} "
-        f"is outside its table's rows [0, {int(rows[f])}); hash or clamp ids before sharding"
-    )
+    """Every id of feature ``f`` (slice ``id_ends[f]:id_ends[f + 1]``) lies in its table."""
+    for f, (a, b) in enumerate(itertools.pairwise(id_ends)):
+        if a == b:
+            continue
+        rows = int(block_boundaries[f][-1])
+        low, high = (int(x) for x in torch.aminmax(ids[a:b]))
+        if low >= 0 and high < rows:
+            continue
+        i = a + int(torch.nonzero((ids[a:b] < 0) | (ids[a:b] >= rows))[0])
+        first = sum(strides[:f])
+        bag_ends = torch.cumsum(lengths[first : first + strides[f]], 0) + a
+        sample = int(torch.searchsorted(bag_ends, torch.tensor(i), right=True))
+        raise ValueError(
+            f"bucketize_ids: {_feature_label(feature_names, f)}, sample {sample}: id "
+            f"{int(ids[i])} is outside its table's rows [0, {rows}); hash or clamp ids "
+            "before sharding"
+        )
 
 
 def bucketize_kjt(

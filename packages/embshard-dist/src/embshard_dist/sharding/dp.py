@@ -78,14 +78,11 @@ class DpOutputDist(nn.Module):
 class _RowExchange:
     """A torch TBE's ``grad_exchange`` hook: sum the touched rows' gradients over the ranks."""
 
-    def __init__(self, pg: dist.ProcessGroup | None, table_names: list[str]) -> None:
+    def __init__(self, pg: dist.ProcessGroup | None) -> None:
         self._pg = pg
-        self._names = table_names
 
-    def __call__(self, table: int, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-        return sparse_all_reduce(
-            rows, grads, group=self._pg, name=f"data_parallel_grads.{self._names[table]}"
-        )
+    def __call__(self, label: str, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+        return sparse_all_reduce(rows, grads, group=self._pg, name=f"data_parallel_grads.{label}")
 
 
 class DpSharding:
@@ -133,8 +130,8 @@ class DpSharding:
         lookup = GroupedBagLookup(
             self._local, self._options, backend="torch", state_format=StateFormat.TENSOR
         )
-        for group, tbe in lookup.torch_tbes():
-            tbe.grad_exchange = _RowExchange(self._options.pg, group.table_names())
+        for _, tbe in lookup.torch_tbes():
+            tbe.grad_exchange = _RowExchange(self._options.pg)
         return lookup
 
     def create_output_dist(self) -> nn.Module:
