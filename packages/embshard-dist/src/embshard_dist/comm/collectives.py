@@ -184,73 +184,79 @@ def all_gather_v(
     return [chunk[:n] for chunk, n in zip(chunks, rows, strict=True)]
 
 
-def sum_rows(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+def sum_rows(
+    rows: Tensor, grads: Tensor, *, sources: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Combine the gradients of repeated rows: sorted unique rows and their summed gradients.
 
     Args:
         rows: 1-D int64 row ids.
-        grads: ``[len(rows), dim]`` gradient rows.
+        grads: the gradient rows: one per id, or (with ``sources``) any rows of which
+            ``sources`` picks one per id.
+        sources: per id, the row of ``grads`` holding its gradient (default: id ``i``, row
+            ``i``).
 
     Returns:
         ``(unique_rows, summed)``; a repeated row's gradients are summed in input order.
 
     Raises:
-        ValueError: ``rows`` is not 1-D or ``grads`` does not have one row per id.
+        ValueError: ``rows`` is not 1-D or ``grads`` does not have a row per id.
     """
-    if rows.dim() != 1 or grads.dim() != 2 or grads.shape[0] != rows.shape[0]:
+    if (
+        rows.dim() != 1
+        or grads.dim() != 2
+        or (sources is None and grads.shape[0] != rows.shape[0])
+        or (sources is not None and sources.shape != rows.shape)
+    ):
         raise ValueError(
             f"sum_rows: expected 1-D row ids and one 2-D gradient row per id, got rows "
             f"{tuple(rows.shape)} and grads {tuple(grads.shape)}"
         )
     keys, order = torch.sort(rows, stable=True)
     unique, counts = torch.unique_consecutive(keys, return_counts=True)
+    picked = order if sources is None else sources.index_select(0, order)
     if grads.device.type == "cpu" and grads.dtype == torch.float32 and rows.numel():
-        # A sparse [unique x ids] matrix of ones (each row's ids in input order) times the
-        # gradient rows: one pass, no per-id scatter.
-        crow = torch.zeros(unique.numel() + 1, dtype=torch.int64)
+        # A sparse [unique x grads] matrix of ones (each row's ids in input order) times the
+        # gradient rows: one pass, no per-id scatter (int32 indices where they fit: faster).
+        index = torch.int32 if grads.shape[0] < 2**31 else torch.int64
+        crow = torch.zeros(unique.numel() + 1, dtype=index)
         torch.cumsum(counts, 0, out=crow[1:])
+        summed = grads.new_empty(unique.numel(), grads.shape[1])
         with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
             warnings.simplefilter("ignore", UserWarning)
             pattern = torch.sparse_csr_tensor(
                 crow,
-                order,
+                picked.to(index),
                 torch.ones(rows.numel()),
-                (unique.numel(), rows.numel()),
+                (unique.numel(), grads.shape[0]),
                 check_invariants=False,
             )
-            return unique, torch.mm(pattern, grads)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.repeat_interleave(
+            torch.addmm(summed, pattern, grads, beta=0, out=summed)
+        return unique, summed
+    inverse = torch.repeat_interleave(
         torch.arange(unique.numel(), device=rows.device), counts, output_size=rows.numel()
     )
     summed = grads.new_zeros(unique.shape[0], grads.shape[1])
-    # index_add_ on CPU adds in index order, which is the input order here.
-    summed.index_add_(0, inverse, grads)
+    # index_add_ adds in index order (on the CPU), which is the input order here.
+    summed.index_add_(0, inverse, grads.index_select(0, picked))
     return unique, summed
 
 
-def sparse_all_gather(
+def _gather_padded(
     rows: Tensor,
     grads: Tensor,
-    *,
-    group: dist.ProcessGroup | None = None,
-    timeout: Timeout = None,
-    name: str = "sparse_all_gather",
-) -> tuple[Tensor, Tensor]:
-    """Gather every rank's ``(row ids, gradient rows)`` and concatenate them in rank order.
+    group: dist.ProcessGroup | None,
+    timeout: Timeout,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every rank's rows, where each one's gradient sits in the padded gathered gradients.
 
-    Two collectives whatever the sizes: the row counts, then one message per rank holding the
-    row ids' bytes beside the gradient rows' bytes (padded to the largest count).
+    Two rounds: the counts, then the row ids and the gradient rows (both issued at once),
+    each rank's block padded to the largest count.
 
-    Args:
-        rows: 1-D int64 row ids touched on this rank.
-        grads: ``[len(rows), dim]`` their gradients; ``dim`` and dtype equal on every rank.
-        group: the process group (``None``: the default group).
-        timeout: time limit in seconds (``None``: the policy of ``timeouts``).
-        name: the collective's name in errors.
-
-    Raises:
-        ValueError: shapes do not fit, or ranks disagree on ``dim`` or the dtype.
+    Returns:
+        ``(rows, sources, gathered)``: all ranks' row ids in rank order, per id its row of
+        ``gathered`` (``[world * largest count, dim]``; padding rows are never referenced).
     """
     if rows.dim() != 1 or grads.dim() != 2 or grads.shape[0] != rows.shape[0]:
         raise ValueError(
@@ -270,30 +276,63 @@ def sparse_all_gather(
             + ", ".join(f"rank {r}: {dtype_name(m[2])} x {m[1]}" for r, m in enumerate(meta))
         )
     counts = [m[0] for m in meta]
-    most = max(counts)
-    n = rows.shape[0]
-    id_bytes = rows.to(torch.int64).contiguous().view(torch.uint8).view(n, 8)
-    grad_bytes = grads.contiguous().view(torch.uint8).view(n, width * grads.element_size())
-    row_bytes = 8 + grad_bytes.shape[1]
-    local = grads.new_zeros((most, row_bytes), dtype=torch.uint8)
-    local[:n, :8] = id_bytes
-    local[:n, 8:] = grad_bytes
-    out = local.new_empty((len(counts) * most, row_bytes))
-    issue(
-        name,
-        lambda: dist.all_gather_single(out, local, group=group, async_op=True),
-        group=group,
-        timeout=timeout,
-        device=grads.device,
-    ).wait()
+    most, n = max(counts), rows.shape[0]
+    local_rows, local_grads = rows.to(torch.int64), grads.contiguous()
+    if n < most:
+        local_rows = torch.cat([local_rows, local_rows.new_zeros(most - n)])
+        padded = grads.new_empty(most, width)
+        padded[:n] = grads
+        local_grads = padded
+    out_rows = local_rows.new_empty(len(counts) * most)
+    out_grads = local_grads.new_empty(len(counts) * most, width)
+    works = [
+        issue(
+            f"{name}.rows",
+            lambda: dist.all_gather_single(out_rows, local_rows, group=group, async_op=True),
+            group=group,
+            timeout=timeout,
+            device=grads.device,
+        ),
+        issue(
+            f"{name}.grads",
+            lambda: dist.all_gather_single(out_grads, local_grads, group=group, async_op=True),
+            group=group,
+            timeout=timeout,
+            device=grads.device,
+        ),
+    ]
+    for work in works:
+        work.wait()
     if all(c == most for c in counts):
-        received = out
-    else:
-        received = torch.cat([out[r * most : r * most + c] for r, c in enumerate(counts)])
-    total = received.shape[0]
-    all_rows = received[:, :8].contiguous().view(torch.int64).view(total)
-    all_grads = received[:, 8:].contiguous().view(grads.dtype).view(total, width)
-    return all_rows, all_grads
+        return out_rows, torch.arange(out_rows.numel(), device=rows.device), out_grads
+    sources = torch.cat(
+        [torch.arange(r * most, r * most + c, device=rows.device) for r, c in enumerate(counts)]
+    )
+    return out_rows.index_select(0, sources), sources, out_grads
+
+
+def sparse_all_gather(
+    rows: Tensor,
+    grads: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout: Timeout = None,
+    name: str = "sparse_all_gather",
+) -> tuple[Tensor, Tensor]:
+    """Gather every rank's ``(row ids, gradient rows)`` and concatenate them in rank order.
+
+    Args:
+        rows: 1-D int64 row ids touched on this rank.
+        grads: ``[len(rows), dim]`` their gradients; ``dim`` and dtype equal on every rank.
+        group: the process group (``None``: the default group).
+        timeout: time limit in seconds (``None``: the policy of ``timeouts``).
+        name: the collective's name in errors.
+
+    Raises:
+        ValueError: shapes do not fit, or ranks disagree on ``dim`` or the dtype.
+    """
+    all_rows, sources, gathered = _gather_padded(rows, grads, group, timeout, name)
+    return all_rows, gathered.index_select(0, sources)
 
 
 def sparse_all_reduce(
@@ -317,5 +356,5 @@ def sparse_all_reduce(
         ``(unique_rows, summed)``, identical on every rank: the rows touched anywhere, sorted,
         and their gradients summed in rank order.
     """
-    all_rows, all_grads = sparse_all_gather(rows, grads, group=group, timeout=timeout, name=name)
-    return sum_rows(all_rows, all_grads)
+    all_rows, sources, gathered = _gather_padded(rows, grads, group, timeout, name)
+    return sum_rows(all_rows, gathered, sources=sources)
