@@ -88,24 +88,16 @@ def bucketize_ids(
     id_ends = [0, *(int(x) for x in ends[cut].tolist())]
     ids = values.to(torch.int64)
     _check_ids(ids, id_ends, block_boundaries, lengths64, strides, feature_names)
-    per_feature = torch.tensor(
-        [b - a for a, b in itertools.pairwise(id_ends)], dtype=torch.int64, device=device
-    )
-    feature = torch.repeat_interleave(
-        torch.arange(num_features, device=device), per_feature, output_size=values.numel()
-    )
-
-    # One sorted array of every feature's boundaries, shifted so the features' id ranges
-    # follow one another; a single searchsorted then finds each id's bucket.
-    bounds = torch.tensor(
-        [list(b) for b in block_boundaries], dtype=torch.int64, device=device
-    ).reshape(num_features, num_buckets + 1)
-    upper = bounds[:, -1]
-    shift = torch.cumsum(upper, 0) - upper
-    flat = (bounds + shift[:, None]).reshape(-1)
-    position = torch.searchsorted(flat, ids + shift[feature], right=True) - 1
-    bucket = position - feature * (num_buckets + 1)
-    local = ids - bounds.reshape(-1)[position]
+    # Per feature (a contiguous slice of ids): its bucket (searchsorted among the inner
+    # boundaries) and the id's offset in that bucket's block.
+    bucket = torch.empty(values.numel(), dtype=torch.int32, device=device)
+    local = torch.empty(values.numel(), dtype=torch.int64, device=device)
+    for f, (a, b) in enumerate(itertools.pairwise(id_ends)):
+        if a == b:
+            continue
+        edges = torch.tensor([int(x) for x in block_boundaries[f]], device=device)
+        torch.searchsorted(edges[1:-1], ids[a:b], right=True, out_int32=True, out=bucket[a:b])
+        torch.sub(ids[a:b], edges.index_select(0, bucket[a:b]), out=local[a:b])
 
     # The input is already feature- then sample-ordered, so a stable sort by bucket alone gives
     # the bucket-major layout; small integer keys sort by radix.
@@ -117,7 +109,8 @@ def bucketize_ids(
         torch.arange(num_segments, device=device), lengths64, output_size=values.numel()
     )
     new_lengths = torch.bincount(
-        bucket * num_segments + segment, minlength=num_buckets * num_segments
+        bucket.to(torch.int64).mul_(num_segments).add_(segment),
+        minlength=num_buckets * num_segments,
     )
     return BucketizedIds(
         lengths=new_lengths.to(lengths.dtype),
