@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from embshard_dist.sharding.base import ShardingStepContext
+from embshard_dist.sharding.columns import ColumnOrder
 from embshard_types.awaitables import Awaitable, LazyAwaitable, LazyGetItemMixin
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
@@ -72,7 +73,7 @@ class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTen
         pending: Sequence[Awaitable[Tensor]],
         keys: list[str],
         dims: list[int],
-        columns: Tensor | None,
+        columns: ColumnOrder | None,
     ) -> None:
         super().__init__()
         self._pending = list(pending)
@@ -84,5 +85,5 @@ class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTen
         parts = [a.wait() for a in self._pending]
         values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if self._columns is not None:
-            values = values.index_select(1, self._columns.to(values.device))
+            values = self._columns(values)
         return KeyedTensor(self._keys, self._dims, values)

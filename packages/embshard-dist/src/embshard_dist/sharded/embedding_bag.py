@@ -59,6 +59,7 @@ from embshard_dist.sharding.base import (
     ShardingOptions,
     ShardingStepContext,
 )
+from embshard_dist.sharding.columns import ColumnOrder
 from embshard_dist.sharding.cw import CwSharding
 from embshard_dist.sharding.dp import DpSharding
 from embshard_dist.sharding.grid import GridSharding
@@ -323,7 +324,7 @@ class ShardedEmbeddingBagCollection(
 
 def _column_index(
     shardings: list[EmbeddingBagSharding], keys: list[str], dims: Mapping[str, int]
-) -> Tensor | None:
+) -> ColumnOrder | None:
     """Columns of the strategies' outputs side by side, in the caller's key order."""
     start: dict[str, int] = {}
     at = 0
@@ -331,7 +332,4 @@ def _column_index(
         for feature, dim in zip(sharding.feature_names(), sharding.embedding_dims(), strict=True):
             start[feature] = at
             at += dim
-    columns = [start[f] + j for f in keys for j in range(dims[f])]
-    if columns == list(range(len(columns))):
-        return None
-    return torch.tensor(columns, dtype=torch.long)
+    return ColumnOrder.of([start[f] + j for f in keys for j in range(dims[f])])

@@ -51,6 +51,7 @@ from embshard_dist.sharding.base import (
     to_wire,
 )
 from embshard_dist.sharding.bucketize import bucketize_kjt
+from embshard_dist.sharding.columns import ColumnOrder
 from embshard_dist.sharding.nodes import NodeGroups, NodeTopology
 from embshard_types.awaitables import Awaitable, NoWait
 from embshard_types.comm_codec import QuantizedCommCodecs
@@ -201,8 +202,7 @@ class NodeRowWiseOutputDist(nn.Module):
             flags = torch.tensor([mean[f] for f in received_features], dtype=torch.bool)
             self._mean = flags
             self._mean_features = torch.tensor(list(received_features), dtype=torch.long)
-        identity = columns is None or list(columns) == list(range(len(columns)))
-        self._columns = None if identity else torch.tensor(list(columns or ()), dtype=torch.long)
+        self._columns = ColumnOrder.of(columns)
 
     def forward(self, embeddings: Tensor, ctx: ShardingStepContext) -> Awaitable[Tensor]:
         """Start the intra-node exchange of ``[sum of batches (staggered), node width]``."""
@@ -224,8 +224,7 @@ class NodeRowWiseOutputDist(nn.Module):
             divisor = self._divisor(ctx.bag_lengths, embeddings.dtype)
             result.callbacks.append(lambda out: out / divisor)
         if self._columns is not None:
-            columns = self._columns.to(embeddings.device)
-            result.callbacks.append(lambda out: out.index_select(1, columns))
+            result.callbacks.append(self._columns)
         return result
 
     def _sum_partials(self, received: Tensor) -> Tensor:

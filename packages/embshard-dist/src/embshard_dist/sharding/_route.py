@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -28,6 +27,7 @@ from embshard_dist.sharding.base import (
     scale_grad,
     to_wire,
 )
+from embshard_dist.sharding.columns import ColumnOrder
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
@@ -99,13 +99,11 @@ class PooledOutputDist(nn.Module):
         super().__init__()
         self._all_to_all = PooledEmbeddingsAllToAll(pg, dim_sum_per_rank, codecs=codecs)
         self._world = len(dim_sum_per_rank)
-        identity = columns is None or list(columns) == list(range(len(columns)))
-        self._columns = None if identity else torch.tensor(list(columns or ()), dtype=torch.long)
+        self._columns = ColumnOrder.of(columns)
 
     def forward(self, embeddings: Tensor, ctx: ShardingStepContext) -> Awaitable[Tensor]:
         """Start the all-to-all of ``[sum of batches, local width]`` pooled rows."""
         started = self._all_to_all(scale_grad(embeddings, self._world), ctx.batch_size_per_rank)
         if self._columns is not None:
-            columns = self._columns.to(embeddings.device)
-            started.callbacks.append(lambda out: out.index_select(1, columns))
+            started.callbacks.append(self._columns)
         return started
