@@ -85,7 +85,8 @@ def test_stale_workspace_values_do_not_leak() -> None:
     for step in range(3):
         tbe = fast.emb_module
         assert isinstance(tbe, TorchFusedTBE) and isinstance(tbe.fast, FastPooledPath)
-        tbe.fast._workspace(64, 8).fill_(float("nan"))
+        for run in range(len(tbe.fast.runs)):
+            tbe.fast._workspace(run, 64, 8).fill_(float("nan"))
         kjt = _kjt(step, False)
         _train(fast, kjt, step)
         _train(general, kjt, step)

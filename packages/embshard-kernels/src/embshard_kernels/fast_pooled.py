@@ -137,6 +137,20 @@ def table_runs(
     return runs
 
 
+@dataclass(frozen=True)
+class SharedRowSums:
+    """One ``row_sum`` for all the tables of a group (their column blocks share the ranks).
+
+    Attributes:
+        row_sum: takes the per-row partial sums of every table's touched rows (tables in the
+            group's order, rows sorted) and returns the sums over the full rows.
+        full_dims: per table, the width of its full rows.
+    """
+
+    row_sum: Callable[[Tensor], Tensor]
+    full_dims: tuple[int, ...]
+
+
 class RunBatch(NamedTuple):
     """One run's part of a call: its ids as rows of the run, its bags and weights.
 
@@ -169,7 +183,12 @@ class FastPooledPath:
         """Per run, its tables' names joined by ``+`` (what a row exchange is told)."""
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
-        self._buffer = torch.empty(0)
+        self._buffers = [torch.empty(0) for _ in self.runs]
+        first_rows = [sum(r for r, _ in shapes[:t]) for t in range(len(shapes))]
+        self._table_firsts = [
+            [first_rows[t] - first_rows[run.tables[0]] for t in run.tables] if run.tables else []
+            for run in self.runs
+        ]
 
     def run_weights(self, flat: Tensor, run: TableRun) -> Tensor:
         """The run's ``[rows, width]`` view of the flat weight buffer."""
@@ -230,13 +249,20 @@ class FastPooledPath:
 
     def run_reductions(
         self, reductions: Sequence[RowReduction | None] | None
-    ) -> list[RowReduction | None] | None:
-        """Per run, the row reduction of its table, given per table; ``None``: not expressible.
+    ) -> list[RowReduction | None] | SharedRowSums | None:
+        """How the update completes row statistics, from the reductions given per table.
 
-        A run of several tables can carry no reduction (it would mix tables' rows).
+        Returns:
+            :class:`SharedRowSums` when every table has a reduction with one same ``row_sum``
+            (one call per step for the whole group); else per run, the reduction of its table
+            (``None``: no reduction); ``None`` when that cannot be expressed (a run of several
+            tables of which some, but not all with one ``row_sum``, have a reduction).
         """
         if reductions is None:
             return [None] * len(self.runs)
+        present = [r for r in reductions if r is not None]
+        if len(present) == len(reductions) > 1 and len({id(r.row_sum) for r in present}) == 1:
+            return SharedRowSums(present[0].row_sum, tuple(r.full_dim for r in present))
         out: list[RowReduction | None] = []
         for run in self.runs:
             mine = [reductions[t] for t in run.tables]
@@ -257,7 +283,7 @@ class FastPooledPath:
         layout: CallLayout,
         spec: OptimizerSpec,
         exchange: RowExchange | None = None,
-        reductions: Sequence[RowReduction | None] | None = None,
+        reductions: Sequence[RowReduction | None] | SharedRowSums | None = None,
     ) -> None:
         """Apply ``spec`` to every touched row (``state``: flat row-wise state of all rows).
 
@@ -271,10 +297,11 @@ class FastPooledPath:
             exchange: called for every run, in order, even one without ids, with the run's
                 label, its touched rows (sorted, int64, rows of the run) and their summed
                 gradients; what it returns is applied (e.g. rows summed over replicas).
-            reductions: per run (:meth:`run_reductions`), how to complete row statistics of a
-                column shard, or ``None``.
+            reductions: from :meth:`run_reductions`: how to complete row statistics of column
+                shards (``None``: nothing to complete).
         """
         grads = split_pooled(grad_output.float(), self.feature_dims, layout.batch_per_rank)
+        touched: list[tuple[int, Tensor, Tensor]] = []
         for i, (run, batch) in enumerate(zip(self.runs, batches, strict=True)):
             if batch.rows.numel() == 0 and exchange is None:
                 continue
@@ -285,19 +312,60 @@ class FastPooledPath:
                 bag_grads = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
             if self.pooling is PoolingType.MEAN:
                 bag_grads = bag_grads / _divisors(batch).to(bag_grads.dtype)
-            rows, summed = self._row_sums(bag_grads, batch)
+            rows, summed = self._row_sums(bag_grads, batch, i)
             if exchange is not None:
                 rows, summed = exchange(self.labels[i], rows, summed)
-            if rows.numel() == 0:
-                continue
-            momentum = state.get("momentum1")
+            if rows.numel():
+                touched.append((i, rows, summed))
+        mean_squares = self._mean_squares(touched, spec, reductions)
+        momentum = state.get("momentum1")
+        for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
+            run = self.runs[i]
             run_state = (
                 None if momentum is None else momentum[run.first_row : run.first_row + run.rows]
             )
-            reduction = reductions[i] if reductions is not None else None
-            _apply(self.run_weights(flat, run), run_state, rows, summed, spec, reduction)
+            _apply(self.run_weights(flat, run), run_state, rows, summed, spec, mean_square)
 
-    def _row_sums(self, bag_grads: Tensor, batch: RunBatch) -> tuple[Tensor, Tensor]:
+    def _mean_squares(
+        self,
+        touched: list[tuple[int, Tensor, Tensor]],
+        spec: OptimizerSpec,
+        reductions: Sequence[RowReduction | None] | SharedRowSums | None,
+    ) -> list[Tensor | None]:
+        """Per touched run, the mean of g² over each full row (RowWiseAdagrad), else ``None``."""
+        if spec.optim_type is not OptimType.ROWWISE_ADAGRAD:
+            return [None] * len(touched)
+        # sums of squares from the row norms: one pass, where (g * g).sum(1) allocates a copy
+        squares = [torch.linalg.vector_norm(g, dim=1).square_() for _, _, g in touched]
+        if isinstance(reductions, SharedRowSums):
+            # one call for the whole group: the runs' rows in order are its tables in order
+            full = reductions.row_sum(torch.cat(squares) if squares else torch.zeros(0))
+            out: list[Tensor | None] = []
+            for (i, rows, _), part in zip(
+                touched, full.split([s.numel() for s in squares]), strict=True
+            ):
+                out.append(part / self._full_dims_of(i, rows, reductions.full_dims))
+            return out
+        out = []
+        for (i, rows, summed), square in zip(touched, squares, strict=True):
+            reduction = reductions[i] if reductions is not None else None
+            if reduction is None:
+                out.append(square.div_(summed.shape[1]))
+            else:  # a column shard: the other columns' squares live on other ranks
+                out.append(reduction.row_sum(square).div(reduction.full_dim))
+        return out
+
+    def _full_dims_of(self, i: int, rows: Tensor, full_dims: tuple[int, ...]) -> Tensor:
+        """The full width of the table of each of run ``i``'s ``rows``."""
+        run = self.runs[i]
+        if len(run.tables) == 1:
+            return torch.tensor(float(full_dims[run.tables[0]]))
+        firsts = torch.tensor(self._table_firsts[i])
+        table = torch.searchsorted(firsts, rows, right=True) - 1
+        dims = torch.tensor([float(full_dims[t]) for t in run.tables])
+        return dims.index_select(0, table)
+
+    def _row_sums(self, bag_grads: Tensor, batch: RunBatch, run: int) -> tuple[Tensor, Tensor]:
         """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each.
 
         The sum is a sparse product: row ``r`` of a CSR matrix ``[rows x bags]`` holds, at the
@@ -319,7 +387,7 @@ class FastPooledPath:
         values = (
             torch.ones(n) if batch.weights is None else batch.weights.index_select(0, order).float()
         )
-        summed = self._workspace(unique.numel(), bag_grads.shape[1])
+        summed = self._workspace(run, unique.numel(), bag_grads.shape[1])
         with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
             warnings.simplefilter("ignore", UserWarning)
             pattern = torch.sparse_csr_tensor(
@@ -332,11 +400,12 @@ class FastPooledPath:
             torch.addmm(summed, pattern, bag_grads, beta=0, out=summed)
         return unique.long(), summed  # index_add_ is much slower with int32 indices
 
-    def _workspace(self, rows: int, width: int) -> Tensor:
-        """A reused ``[rows, width]`` float32 buffer (fresh large tensors cost page faults)."""
-        if self._buffer.numel() < rows * width:
-            self._buffer = torch.empty(rows * width + rows * width // 4)
-        return self._buffer[: rows * width].view(rows, width)
+    def _workspace(self, run: int, rows: int, width: int) -> Tensor:
+        """Run ``run``'s reused ``[rows, width]`` float32 buffer (fresh large tensors cost page
+        faults)."""
+        if self._buffers[run].numel() < rows * width:
+            self._buffers[run] = torch.empty(rows * width + rows * width // 4)
+        return self._buffers[run][: rows * width].view(rows, width)
 
 
 def _apply(
@@ -345,22 +414,16 @@ def _apply(
     rows: Tensor,
     summed: Tensor,
     spec: OptimizerSpec,
-    reduction: RowReduction | None,
+    mean_square: Tensor | None,
 ) -> None:
-    """SGD or RowWiseAdagrad on ``rows`` (sorted, distinct) with their summed gradients.
+    """SGD, or RowWiseAdagrad given each row's mean of g², on ``rows`` (sorted, distinct).
 
     ``summed`` is consumed (scaled in place).
     """
     if spec.optim_type is OptimType.SGD:
         summed.mul_(-spec.learning_rate)
     else:
-        assert momentum is not None
-        # mean(g**2) from the row norm: one pass, where (g * g).mean(1) allocates a copy
-        square_sum = torch.linalg.vector_norm(summed, dim=1).square_()
-        if reduction is None:
-            mean_square = square_sum.div_(summed.shape[1])
-        else:  # a column shard: the other columns' squares live on other ranks
-            mean_square = reduction.row_sum(square_sum).div(reduction.full_dim)
+        assert momentum is not None and mean_square is not None
         momentum.index_add_(0, rows, mean_square)
         multiplier = spec.learning_rate / (momentum.index_select(0, rows).sqrt_() + spec.eps)
         summed.mul_(multiplier.neg_().unsqueeze(1))

@@ -16,7 +16,7 @@ table, or a crash).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -38,19 +38,36 @@ from embshard_types.vocab import ComputeKernel, PoolingType
 _FUSED = (ComputeKernel.FUSED, ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 
 
+KernelKey = Callable[[ShardedTableConfig], Hashable]
+"""Tables with different keys never share a kernel (e.g. column blocks on different ranks)."""
+
+
 def _groups(
-    tables: Sequence[ShardedTableConfig], one_table_per_kernel: bool
+    tables: Sequence[ShardedTableConfig],
+    one_table_per_kernel: bool,
+    kernel_key: KernelKey | None = None,
 ) -> list[GroupedEmbeddingConfig]:
     if one_table_per_kernel:
         return [group for table in tables for group in group_tables([table])]
-    return group_tables(tables)
+    if kernel_key is None:
+        return group_tables(tables)
+    buckets: dict[Hashable, list[ShardedTableConfig]] = {}
+    for table in tables:
+        buckets.setdefault(kernel_key(table), []).append(table)
+    position = {id(t): i for i, t in enumerate(tables)}
+    groups = [g for members in buckets.values() for g in group_tables(members)]
+    # kernels in order of their first table: the same relative order on every rank
+    return sorted(groups, key=lambda g: position[id(g.embedding_tables[0])])
 
 
 def kernel_feature_order(
-    tables: Sequence[ShardedTableConfig], *, one_table_per_kernel: bool = False
+    tables: Sequence[ShardedTableConfig],
+    *,
+    one_table_per_kernel: bool = False,
+    kernel_key: KernelKey | None = None,
 ) -> list[str]:
     """The features of ``tables`` in the order their grouped kernels take them."""
-    return [f for g in _groups(tables, one_table_per_kernel) for f in g.feature_names()]
+    return [f for g in _groups(tables, one_table_per_kernel, kernel_key) for f in g.feature_names()]
 
 
 def build_bag_kernel(
@@ -100,7 +117,9 @@ class GroupedBagLookup(nn.Module):
         state_format: override ``options.state_format`` (data-parallel tables: plain tensors).
         one_table_per_kernel: give every table its own kernel (so that kernels' backward
             passes, which run in reverse order of their forwards, handle tables in reverse
-            table order; column-wise row reductions rely on it).
+            table order; grid's row reductions rely on it).
+        kernel_key: tables of different keys get different kernels, ordered by their first
+            table (column-wise row reductions: one kernel per set of ranks).
     """
 
     def __init__(
@@ -111,10 +130,11 @@ class GroupedBagLookup(nn.Module):
         backend: Backend = "auto",
         state_format: StateFormat | None = None,
         one_table_per_kernel: bool = False,
+        kernel_key: KernelKey | None = None,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
-        groups = _groups(self.tables, one_table_per_kernel)
+        groups = _groups(self.tables, one_table_per_kernel, kernel_key)
         self.kernels = nn.ModuleList(
             build_bag_kernel(
                 g,

@@ -16,9 +16,11 @@ sums of the table's blocks (one process group per table, over its blocks' ranks)
 in rank order, so every block applies the unsharded row-wise update (TorchRec keeps per-block
 statistics instead, and trains such tables differently from unsharded).
 
-Deadlock freedom of those per-table collectives: each table gets its own kernel and a rank runs
-its kernels' forwards in table order, so their backward passes (all made ready by one
-concatenation) run in reverse table order on every rank: a single global order.
+One gather per kernel, not per table: tables whose blocks live on the same set of ranks share a
+kernel (and one process group), and the kernel gathers the partial sums of all its tables' rows
+at once. Deadlock freedom of those collectives: a rank runs its kernels' forwards in order of
+their first table, so their backward passes (all made ready by one concatenation) run in the
+reverse of that order on every rank: a single global order.
 """
 
 from __future__ import annotations
@@ -52,17 +54,18 @@ ROW_WISE_OPTIMIZERS = frozenset(
 
 
 class ColumnRowSum:
-    """``RowReduction.row_sum`` of one table: gathers its blocks' partial sums, adds in order.
+    """``RowReduction.row_sum`` of the tables whose blocks live on one set of ranks: gathers
+    the blocks' partial sums and adds them in rank order.
 
     Args:
-        group: the process group of the ranks holding the table's blocks.
-        table: the table's name, for errors.
+        group: the process group of the ranks holding the tables' blocks.
+        label: what the tables are, for errors.
     """
 
-    def __init__(self, group: dist.ProcessGroup, table: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, label: str) -> None:
         self._group = group
         self._size = dist.get_world_size(group)
-        self._name = f"column_wise_row_sums.{table}"
+        self._name = f"column_wise_row_sums.{label}"
 
     def __call__(self, partial: Tensor) -> Tensor:
         local = partial.contiguous()
@@ -99,17 +102,24 @@ class CwSharding:
             for spec in sorted(table.specs or (), key=lambda s: s.offsets[1]):
                 per_rank[spec.rank].append(shard_config(table, spec, options))
         self._per_rank = per_rank
+        self._ranks = {t.name: tuple(sorted(s.rank for s in t.specs or ())) for t in self._tables}
         self._wire = [
-            kernel_feature_order(configs, one_table_per_kernel=self._row_wise)
-            for configs in per_rank
+            kernel_feature_order(configs, kernel_key=self._kernel_key) for configs in per_rank
         ]
         self._by_feature = {f: t for t in self._tables for f in t.config.feature_names}
-        # Process groups are made by every rank, in table order, whether it joins or not.
-        self._groups = {
-            t.name: subgroup(options.pg, sorted(s.rank for s in t.specs or ()))
-            for t in self._tables
-            if self._needs_row_sums(t)
-        }
+        # Process groups are made by every rank, in table order, whether it joins or not; one
+        # per set of ranks, shared by its tables' reductions.
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for t in self._tables:
+            ranks = self._ranks[t.name]
+            if self._needs_row_sums(t) and ranks not in self._groups:
+                self._groups[ranks] = subgroup(options.pg, list(ranks))
+
+    def _kernel_key(self, config: ShardedTableConfig) -> tuple[int, ...] | None:
+        """Blocks needing row sums share a kernel only with blocks on the same ranks."""
+        if not self._row_wise:
+            return None
+        return self._ranks[config.name]
 
     def _needs_row_sums(self, table: BagTable) -> bool:
         return (
@@ -149,17 +159,21 @@ class CwSharding:
         if not self._row_wise:
             return GroupedBagLookup(configs, self._options)
         lookup = GroupedBagLookup(
-            configs, self._options, backend="torch", one_table_per_kernel=True
+            configs, self._options, backend="torch", kernel_key=self._kernel_key
         )
+        by_name = {t.name: t for t in self._tables}
+        row_sums: dict[tuple[int, ...], ColumnRowSum] = {}
         for group, tbe in lookup.torch_tbes():
             reductions: list[RowReduction | None] = []
             for table in group.embedding_tables:
-                pg = self._groups.get(table.name)
-                reductions.append(
-                    None
-                    if pg is None
-                    else RowReduction(ColumnRowSum(pg, table.name), table.embedding_dim)
-                )
+                full, ranks = by_name[table.name], self._ranks[table.name]
+                if not self._needs_row_sums(full):
+                    reductions.append(None)
+                    continue
+                if ranks not in row_sums:  # one per set of ranks, shared by its tables
+                    label = "ranks_" + "_".join(str(r) for r in ranks)
+                    row_sums[ranks] = ColumnRowSum(self._groups[ranks], label)
+                reductions.append(RowReduction(row_sums[ranks], full.config.embedding_dim))
             tbe.row_reductions = reductions
         return lookup
 
