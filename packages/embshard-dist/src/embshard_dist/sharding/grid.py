@@ -76,7 +76,14 @@ class GridSharding:
                 for col in sorted(blocks)
             ]
         units = [u for t in self._tables for u in self._units[t.name]]
-        self._core = RowWiseInNodes(units, options, topology, one_table_per_kernel=self._row_wise)
+        needs = {t.name for t in self._tables if self._needs_row_sums(t)}
+        self._core = RowWiseInNodes(
+            units,
+            options,
+            topology,
+            # a table with cross-node row sums gets its own kernel (its collective per step)
+            kernel_key=lambda config: config.name if config.name in needs else None,
+        )
         self._by_feature = {f: t for t in self._tables for f in t.config.feature_names}
         # Process groups are made by every rank, in table order, whether it joins or not.
         node_groups(options.pg, topology)

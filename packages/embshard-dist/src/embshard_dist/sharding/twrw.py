@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from embshard_dist.sharding._lookup import GroupedBagLookup, kernel_feature_order
+from embshard_dist.sharding._lookup import GroupedBagLookup, KernelKey, kernel_feature_order
 from embshard_dist.sharding._node_dist import (
     NodeRowWiseInputDist,
     NodeRowWiseOutputDist,
@@ -89,7 +89,8 @@ class RowWiseInNodes:
         units: the units, in the collection's table order.
         options: where to run and how to build kernels.
         topology: the nodes of the sharding group.
-        one_table_per_kernel: give every table its own kernel (grid's row reductions).
+        kernel_key: tables of different keys get different kernels (grid: a table whose row
+            statistics are completed across nodes gets its own).
 
     Raises:
         ValueError: a unit's blocks are not one per rank of its node.
@@ -101,12 +102,12 @@ class RowWiseInNodes:
         options: ShardingOptions,
         topology: NodeTopology,
         *,
-        one_table_per_kernel: bool = False,
+        kernel_key: KernelKey | None = None,
     ) -> None:
         self.units = list(units)
         self.options = options
         self.topology = topology
-        self.one_table_per_kernel = one_table_per_kernel
+        self.kernel_key = kernel_key
         lws = topology.local_world_size
         per_rank: list[list[ShardedTableConfig]] = [[] for _ in range(topology.world_size)]
         for unit in self.units:
@@ -126,7 +127,7 @@ class RowWiseInNodes:
         self.wire: list[list[int]] = []
         for node in range(topology.num_nodes):
             orders = [
-                kernel_feature_order(per_rank[r], one_table_per_kernel=one_table_per_kernel)
+                kernel_feature_order(per_rank[r], kernel_key=kernel_key)
                 for r in topology.node_ranks(node)
             ]
             assert all(o == orders[0] for o in orders), "ranks of a node group kernels alike"
@@ -182,7 +183,7 @@ class RowWiseInNodes:
             self.per_rank[self.options.rank],
             self.options,
             backend=backend,
-            one_table_per_kernel=self.one_table_per_kernel,
+            kernel_key=self.kernel_key,
         )
 
     def create_output_dist(self, columns: Sequence[int] | None = None) -> nn.Module:
