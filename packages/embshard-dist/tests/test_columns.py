@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embshard_dist.sharding.columns import ColumnOrder
+from embshard_dist.sharding.columns import ColumnAssembly, ColumnOrder
 
 
 @pytest.mark.parametrize(
@@ -40,3 +40,30 @@ def test_identity_is_none_and_bad_columns_are_refused() -> None:
         ColumnOrder([0, 0, 1])
     with pytest.raises(ValueError, match=r"\[batch, 3\]"):
         ColumnOrder([2, 1, 0])(torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("columns", [None, [6, 7, 0, 1, 2, 3, 4, 5], [3, 0, 2, 1, 7, 4, 6, 5]])
+@pytest.mark.parametrize("widths", [[8], [2, 6], [3, 0, 5]])
+def test_assembly_equals_cat_then_reorder(columns: list[int] | None, widths: list[int]) -> None:
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randn(4, w, generator=g, requires_grad=True) for w in widths]
+    grad = torch.randn(4, 8, generator=g)
+    out = ColumnAssembly(widths, columns)(parts)
+    out.backward(grad)
+    mine = [p.grad for p in parts]
+    for p in parts:
+        p.grad = None
+    expected = torch.cat(parts, dim=1)
+    if columns is not None:
+        expected = expected.index_select(1, torch.tensor(columns))
+    expected.backward(grad)
+    assert torch.equal(out, expected)
+    for m, p in zip(mine, parts, strict=True):
+        assert m is not None and p.grad is not None and torch.equal(m, p.grad)
+
+
+def test_assembly_refuses_parts_that_do_not_fit() -> None:
+    with pytest.raises(ValueError, match="permutation"):
+        ColumnAssembly([2, 2], [0, 1, 2])
+    with pytest.raises(ValueError, match="widths"):
+        ColumnAssembly([2, 2])([torch.zeros(3, 2), torch.zeros(3, 3)])

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from embshard_dist.sharding.base import ShardingStepContext
-from embshard_dist.sharding.columns import ColumnOrder
+from embshard_dist.sharding.columns import ColumnAssembly
 from embshard_types.awaitables import Awaitable, LazyAwaitable, LazyGetItemMixin
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
@@ -64,8 +64,7 @@ class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTen
         pending: per strategy, its output dist's awaitable ``[batch, its dims]``.
         keys: the output keys (the collection's features, in config order).
         dims: their widths.
-        columns: output column ``j`` is column ``columns[j]`` of the strategies' outputs
-            side by side (``None``: already in order).
+        assembly: puts the strategies' outputs side by side in the caller's column order.
     """
 
     def __init__(
@@ -73,17 +72,14 @@ class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTen
         pending: Sequence[Awaitable[Tensor]],
         keys: list[str],
         dims: list[int],
-        columns: ColumnOrder | None,
+        assembly: ColumnAssembly,
     ) -> None:
         super().__init__()
         self._pending = list(pending)
         self._keys = keys
         self._dims = dims
-        self._columns = columns
+        self._assembly = assembly
 
     def _wait_impl(self) -> KeyedTensor:
-        parts = [a.wait() for a in self._pending]
-        values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        if self._columns is not None:
-            values = self._columns(values)
+        values = self._assembly([a.wait() for a in self._pending])
         return KeyedTensor(self._keys, self._dims, values)

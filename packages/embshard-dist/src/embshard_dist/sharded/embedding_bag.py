@@ -59,7 +59,7 @@ from embshard_dist.sharding.base import (
     ShardingOptions,
     ShardingStepContext,
 )
-from embshard_dist.sharding.columns import ColumnOrder
+from embshard_dist.sharding.columns import ColumnAssembly
 from embshard_dist.sharding.cw import CwSharding
 from embshard_dist.sharding.dp import DpSharding
 from embshard_dist.sharding.grid import GridSharding
@@ -324,12 +324,13 @@ class ShardedEmbeddingBagCollection(
 
 def _column_index(
     shardings: list[EmbeddingBagSharding], keys: list[str], dims: Mapping[str, int]
-) -> ColumnOrder | None:
-    """Columns of the strategies' outputs side by side, in the caller's key order."""
+) -> ColumnAssembly:
+    """The strategies' outputs side by side, in the caller's key order."""
     start: dict[str, int] = {}
     at = 0
     for sharding in shardings:
         for feature, dim in zip(sharding.feature_names(), sharding.embedding_dims(), strict=True):
             start[feature] = at
             at += dim
-    return ColumnOrder.of([start[f] + j for f in keys for j in range(dims[f])])
+    widths = [sum(sharding.embedding_dims()) for sharding in shardings]
+    return ColumnAssembly(widths, [start[f] + j for f in keys for j in range(dims[f])])

@@ -91,3 +91,79 @@ class _Reorder(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return ctx.order.move(grad, inverse=True), None
+
+
+class ColumnAssembly:
+    """Several ``[batch, w_i]`` parts put side by side and reordered, in one copy each way.
+
+    Output column ``j`` is column ``columns[j]`` of the parts concatenated (``None``: in
+    order). Equivalent to ``ColumnOrder(columns)(torch.cat(parts, dim=1))`` but each column is
+    copied once, in the runs of consecutive columns that come from one part; the backward copies
+    the gradient's runs back into one gradient per part.
+
+    Args:
+        widths: the parts' widths.
+        columns: the permutation of ``range(sum(widths))``, or ``None``.
+
+    Raises:
+        ValueError: ``columns`` is not a permutation of the parts' columns.
+    """
+
+    def __init__(self, widths: Sequence[int], columns: Sequence[int] | None = None) -> None:
+        self.widths = [int(w) for w in widths]
+        total = sum(self.widths)
+        cols = list(range(total)) if columns is None else [int(c) for c in columns]
+        if sorted(cols) != list(range(total)):
+            raise ValueError(
+                f"ColumnAssembly: {len(cols)} columns must be a permutation of the parts' "
+                f"{total} columns"
+            )
+        part_of: list[int] = []
+        offset_in: list[int] = []
+        for p, w in enumerate(self.widths):
+            part_of.extend([p] * w)
+            offset_in.extend(range(w))
+        # runs: (part, first column in the part, first output column, width)
+        self.runs: list[tuple[int, int, int, int]] = []
+        for j, c in enumerate(cols):
+            p, o = part_of[c], offset_in[c]
+            if self.runs and self.runs[-1][0] == p and self.runs[-1][1] + self.runs[-1][3] == o:
+                last = self.runs[-1]
+                self.runs[-1] = (p, last[1], last[2], last[3] + 1)
+            else:
+                self.runs.append((p, o, j, 1))
+        self.width = total
+
+    def __call__(self, parts: Sequence[Tensor]) -> Tensor:
+        """The assembled ``[batch, sum(widths)]``, differentiable in every part."""
+        shapes = [tuple(p.shape) for p in parts]
+        if len(parts) != len(self.widths) or any(
+            len(s) != 2 or s[1] != w or s[0] != shapes[0][0]
+            for s, w in zip(shapes, self.widths, strict=True)
+        ):
+            raise ValueError(
+                f"ColumnAssembly: expected parts [batch, w] of widths {self.widths}, got {shapes}"
+            )
+        if len(parts) == 1 and self.runs == [(0, 0, 0, self.width)]:
+            return parts[0]
+        out: Tensor = _Assemble.apply(self, *parts)
+        return out
+
+
+class _Assemble(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, assembly: ColumnAssembly, *parts: Tensor) -> Tensor:
+        ctx.assembly = assembly
+        first = parts[0]
+        out = first.new_empty(first.shape[0], assembly.width)
+        for p, src, dst, width in assembly.runs:
+            out[:, dst : dst + width] = parts[p][:, src : src + width]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        assembly: ColumnAssembly = ctx.assembly
+        grads = [grad.new_empty(grad.shape[0], w) for w in assembly.widths]
+        for p, src, dst, width in assembly.runs:
+            grads[p][:, src : src + width] = grad[:, dst : dst + width]
+        return (None, *grads)
