@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embshard_dist.sharding.columns import ColumnAssembly, ColumnOrder
+from embshard_dist.comm.columns import ColumnAssembly, ColumnOrder
 
 
 @pytest.mark.parametrize(

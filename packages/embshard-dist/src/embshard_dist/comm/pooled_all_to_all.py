@@ -4,7 +4,7 @@ After the input all-to-all, rank ``s`` holds pooled embeddings of *its* tables (
 in all, ``dim_sum_per_rank[s]``) for the samples of *every* rank, stacked by source rank:
 ``[B_0 + ... + B_{W-1}, D_s]``. This collective sends to rank ``r`` the rows of rank ``r``'s
 samples; rank ``r`` receives ``[B_r, D_s]`` from every ``s`` and concatenates them along the
-columns in rank order: ``[B_r, D_0 + ... + D_{W-1}]``.
+columns in rank order: ``[B_r, D_0 + ... + D_{W-1}]`` (or in the order ``columns`` gives).
 
 Guarantees:
     * exact: without a codec the output holds the very bits of the input rows; columns come in
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec
 from embshard_dist.comm._exchange import decode_chunks, start_all_to_all
+from embshard_dist.comm.columns import ColumnAssembly
 from embshard_dist.comm.timeouts import PendingCollective, Timeout
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
@@ -49,7 +50,9 @@ class _PooledAllToAllOp:
         batch_size_per_rank: list[int],
         codecs: QuantizedCommCodecs | None,
         timeout: Timeout,
+        assembly: ColumnAssembly,
     ) -> None:
+        self._assembly = assembly
         self._group = group
         self._rank = rank
         self._dims = dim_sum_per_rank
@@ -94,10 +97,10 @@ class _PooledAllToAllOp:
         self._exchange(chunks, recv_shapes, coder, "forward", input)
 
     def finish_forward(self) -> Tensor:
-        return torch.cat(self._received(), dim=1)
+        return self._assembly.assemble(self._received())
 
     def start_backward(self, grad_output: Tensor) -> None:
-        chunks = [c.contiguous() for c in grad_output.split(self._dims, dim=1)]
+        chunks = self._assembly.split(grad_output)
         coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
         recv_shapes = [(b, self._dims[self._rank]) for b in self._batches]
         self._exchange(chunks, recv_shapes, coder, "backward", grad_output)
@@ -116,9 +119,13 @@ class PooledEmbeddingsAllToAll(nn.Module):
         callbacks: functions applied in order to the output when it is waited for.
         codecs: forward / backward codecs for the payload (``None``: sent as it is).
         timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+        columns: if given, the output's column order: output column ``j`` is column
+            ``columns[j]`` of the received blocks side by side (applied while the blocks are
+            put together, no extra copy).
 
     Raises:
-        ValueError: ``dim_sum_per_rank`` does not have one non-negative width per rank.
+        ValueError: ``dim_sum_per_rank`` does not have one non-negative width per rank, or
+            ``columns`` is not a permutation of the received columns.
     """
 
     def __init__(
@@ -129,6 +136,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
         callbacks: Sequence[Callable[[Tensor], Tensor]] | None = None,
         codecs: QuantizedCommCodecs | None = None,
         timeout: Timeout = None,
+        columns: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self._pg = pg
@@ -141,6 +149,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
                 f"of the group ({self._world} ranks)"
             )
         self._dim_sum_per_rank = dims
+        self._assembly = ColumnAssembly(dims, columns)
         self._device = device
         self._callbacks = list(callbacks or [])
         self._codecs = codecs
@@ -167,7 +176,13 @@ class PooledEmbeddingsAllToAll(nn.Module):
         """
         batches = self._batch_sizes(local_embs, batch_size_per_rank)
         op = _PooledAllToAllOp(
-            self._pg, self._rank, self._dim_sum_per_rank, batches, self._codecs, self._timeout
+            self._pg,
+            self._rank,
+            self._dim_sum_per_rank,
+            batches,
+            self._codecs,
+            self._timeout,
+            self._assembly,
         )
         awaitable = CollectiveAwaitable(op, local_embs)
         awaitable.callbacks.extend(self._callbacks)

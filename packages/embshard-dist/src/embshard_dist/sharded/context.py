@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from embshard_dist.comm.columns import ColumnAssembly
 from embshard_dist.sharding.base import ShardingStepContext
-from embshard_dist.sharding.columns import ColumnAssembly
 from embshard_types.awaitables import Awaitable, LazyAwaitable, LazyGetItemMixin
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from embshard_dist.comm.columns import ColumnAssembly
 from embshard_dist.sharded._common import (
     TableStates,
     build_strategies,
@@ -59,7 +60,6 @@ from embshard_dist.sharding.base import (
     ShardingOptions,
     ShardingStepContext,
 )
-from embshard_dist.sharding.columns import ColumnAssembly
 from embshard_dist.sharding.cw import CwSharding
 from embshard_dist.sharding.dp import DpSharding
 from embshard_dist.sharding.grid import GridSharding

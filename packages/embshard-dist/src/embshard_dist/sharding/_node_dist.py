@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from embshard_dist.comm.columns import ColumnOrder
 from embshard_dist.comm.kjt_all_to_all import KJTAllToAll
 from embshard_dist.comm.pooled_all_to_all import PooledEmbeddingsAllToAll
 from embshard_dist.sharding.base import (
@@ -51,7 +52,6 @@ from embshard_dist.sharding.base import (
     to_wire,
 )
 from embshard_dist.sharding.bucketize import bucketize_kjt
-from embshard_dist.sharding.columns import ColumnOrder
 from embshard_dist.sharding.nodes import NodeGroups, NodeTopology
 from embshard_types.awaitables import Awaitable, NoWait
 from embshard_types.comm_codec import QuantizedCommCodecs

@@ -27,7 +27,6 @@ from embshard_dist.sharding.base import (
     scale_grad,
     to_wire,
 )
-from embshard_dist.sharding.columns import ColumnOrder
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
@@ -97,13 +96,11 @@ class PooledOutputDist(nn.Module):
         codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__()
-        self._all_to_all = PooledEmbeddingsAllToAll(pg, dim_sum_per_rank, codecs=codecs)
+        self._all_to_all = PooledEmbeddingsAllToAll(
+            pg, dim_sum_per_rank, codecs=codecs, columns=columns
+        )
         self._world = len(dim_sum_per_rank)
-        self._columns = ColumnOrder.of(columns)
 
     def forward(self, embeddings: Tensor, ctx: ShardingStepContext) -> Awaitable[Tensor]:
         """Start the all-to-all of ``[sum of batches, local width]`` pooled rows."""
-        started = self._all_to_all(scale_grad(embeddings, self._world), ctx.batch_size_per_rank)
-        if self._columns is not None:
-            started.callbacks.append(self._columns)
-        return started
+        return self._all_to_all(scale_grad(embeddings, self._world), ctx.batch_size_per_rank)

@@ -149,21 +149,28 @@ class ColumnAssembly:
         out: Tensor = _Assemble.apply(self, *parts)
         return out
 
+    def assemble(self, parts: Sequence[Tensor]) -> Tensor:
+        """The parts side by side in order, no autograd (shapes unchecked)."""
+        first = parts[0]
+        out = first.new_empty(first.shape[0], self.width)
+        for p, src, dst, width in self.runs:
+            out[:, dst : dst + width] = parts[p][:, src : src + width]
+        return out
+
+    def split(self, values: Tensor) -> list[Tensor]:
+        """The inverse of :meth:`assemble`: one contiguous ``[batch, w_i]`` per part."""
+        parts = [values.new_empty(values.shape[0], w) for w in self.widths]
+        for p, src, dst, width in self.runs:
+            parts[p][:, src : src + width] = values[:, dst : dst + width]
+        return parts
+
 
 class _Assemble(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, assembly: ColumnAssembly, *parts: Tensor) -> Tensor:
         ctx.assembly = assembly
-        first = parts[0]
-        out = first.new_empty(first.shape[0], assembly.width)
-        for p, src, dst, width in assembly.runs:
-            out[:, dst : dst + width] = parts[p][:, src : src + width]
-        return out
+        return assembly.assemble(parts)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        assembly: ColumnAssembly = ctx.assembly
-        grads = [grad.new_empty(grad.shape[0], w) for w in assembly.widths]
-        for p, src, dst, width in assembly.runs:
-            grads[p][:, src : src + width] = grad[:, dst : dst + width]
-        return (None, *grads)
+        return (None, *ctx.assembly.split(grad))
