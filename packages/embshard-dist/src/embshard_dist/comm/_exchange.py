@@ -41,7 +41,9 @@ def start_all_to_all(
         timeout: time limit of the wait.
     """
     wire = [coder.encode(c) for c in chunks]
-    send = torch.cat(wire) if wire else like.new_empty(0, dtype=coder.wire_dtype)
+    send = _joined(wire)
+    if send is None:
+        send = torch.cat(wire) if wire else like.new_empty(0, dtype=coder.wire_dtype)
     recv_sizes = [coder.wire_size(n) for n in recv_numels]
     recv = send.new_empty(sum(recv_sizes))
     send_sizes = [w.numel() for w in wire]
@@ -55,6 +57,33 @@ def start_all_to_all(
         device=send.device,
     )
     return pending, recv
+
+
+def _joined(wire: Sequence[Tensor]) -> Tensor | None:
+    """One flat view of ``wire`` when its chunks already lie one after another in one buffer
+    (e.g. row blocks of a contiguous tensor, sent as they are), so that nothing is copied."""
+    if not wire or any(w.dim() != 1 or w.stride(0) != 1 for w in wire):
+        return None
+    first = wire[0]
+    at = first.storage_offset()
+    for w in wire:
+        if w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        if w.storage_offset() != at:
+            return None
+        at += w.numel()
+    total = at - first.storage_offset()
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
+def join_rows(chunks: Sequence[Tensor]) -> Tensor:
+    """``torch.cat(chunks)`` along dim 0, without a copy when the chunks are contiguous and
+    already lie one after another in one buffer (what arrives, decoded as it is)."""
+    if chunks and all(c.is_contiguous() for c in chunks):
+        flat = _joined([c.view(-1) for c in chunks])
+        if flat is not None:
+            return flat.view(sum(c.shape[0] for c in chunks), *chunks[0].shape[1:])
+    return torch.cat(list(chunks))
 
 
 def decode_chunks(

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec
-from embshard_dist.comm._exchange import decode_chunks, start_all_to_all
+from embshard_dist.comm._exchange import decode_chunks, join_rows, start_all_to_all
 from embshard_dist.comm.columns import ColumnAssembly
 from embshard_dist.comm.timeouts import PendingCollective, Timeout
 from embshard_types.awaitables import Awaitable
@@ -106,7 +106,7 @@ class _PooledAllToAllOp:
         self._exchange(chunks, recv_shapes, coder, "backward", grad_output)
 
     def finish_backward(self) -> Tensor:
-        return torch.cat(self._received(), dim=0)
+        return join_rows(self._received())
 
 
 class PooledEmbeddingsAllToAll(nn.Module):
