@@ -25,6 +25,7 @@ from torch import Tensor
 
 from embshard_dist.comm._dtypes import dtype_code, dtype_name
 from embshard_dist.comm.timeouts import Timeout, issue
+from embshard_dist.comm.workspace import Workspace
 
 _MAX_DIMS = 8
 
@@ -185,7 +186,11 @@ def all_gather_v(
 
 
 def sum_rows(
-    rows: Tensor, grads: Tensor, *, sources: Tensor | None = None
+    rows: Tensor,
+    grads: Tensor,
+    *,
+    sources: Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Combine the gradients of repeated rows: sorted unique rows and their summed gradients.
 
@@ -195,6 +200,7 @@ def sum_rows(
             ``sources`` picks one per id.
         sources: per id, the row of ``grads`` holding its gradient (default: id ``i``, row
             ``i``).
+        workspace: where to put the sums (valid until its next use), instead of a new tensor.
 
     Returns:
         ``(unique_rows, summed)``; a repeated row's gradients are summed in input order.
@@ -221,7 +227,12 @@ def sum_rows(
         index = torch.int32 if grads.shape[0] < 2**31 else torch.int64
         crow = torch.zeros(unique.numel() + 1, dtype=index)
         torch.cumsum(counts, 0, out=crow[1:])
-        summed = grads.new_empty(unique.numel(), grads.shape[1])
+        shape = (unique.numel(), grads.shape[1])
+        summed = (
+            grads.new_empty(shape)
+            if workspace is None
+            else workspace.take("summed", shape, grads.dtype, grads.device)
+        )
         with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
             warnings.simplefilter("ignore", UserWarning)
             pattern = torch.sparse_csr_tensor(
@@ -248,6 +259,7 @@ def _gather_padded(
     group: dist.ProcessGroup | None,
     timeout: Timeout,
     name: str,
+    workspace: Workspace | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Every rank's rows, where each one's gradient sits in the padded gathered gradients.
 
@@ -277,14 +289,15 @@ def _gather_padded(
         )
     counts = [m[0] for m in meta]
     most, n = max(counts), rows.shape[0]
+    space = workspace or Workspace()
     local_rows, local_grads = rows.to(torch.int64), grads.contiguous()
     if n < most:
         local_rows = torch.cat([local_rows, local_rows.new_zeros(most - n)])
-        padded = grads.new_empty(most, width)
+        padded = space.take("padded", (most, width), grads.dtype, grads.device)
         padded[:n] = grads
         local_grads = padded
     out_rows = local_rows.new_empty(len(counts) * most)
-    out_grads = local_grads.new_empty(len(counts) * most, width)
+    out_grads = space.take("gathered", (len(counts) * most, width), grads.dtype, grads.device)
     works = [
         issue(
             f"{name}.rows",
@@ -342,6 +355,7 @@ def sparse_all_reduce(
     group: dist.ProcessGroup | None = None,
     timeout: Timeout = None,
     name: str = "sparse_all_reduce",
+    workspace: Workspace | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sum sparse gradient rows over the group (for data-parallel tables).
 
@@ -351,10 +365,12 @@ def sparse_all_reduce(
         group: the process group (``None``: the default group).
         timeout: time limit in seconds (``None``: the policy of ``timeouts``).
         name: the collective's name in errors.
+        workspace: reused buffers for the gathered and the summed gradients (the sums are then
+            valid until the workspace's next use); ``None``: fresh tensors.
 
     Returns:
         ``(unique_rows, summed)``, identical on every rank: the rows touched anywhere, sorted,
         and their gradients summed in rank order.
     """
-    all_rows, sources, gathered = _gather_padded(rows, grads, group, timeout, name)
-    return sum_rows(all_rows, gathered, sources=sources)
+    all_rows, sources, gathered = _gather_padded(rows, grads, group, timeout, name, workspace)
+    return sum_rows(all_rows, gathered, sources=sources, workspace=workspace)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from embshard_dist.comm.collectives import sparse_all_reduce
+from embshard_dist.comm.workspace import Workspace
 from embshard_dist.sharding._lookup import GroupedBagLookup, kernel_feature_order
 from embshard_dist.sharding.base import (
     BagTable,
@@ -80,9 +81,17 @@ class _RowExchange:
 
     def __init__(self, pg: dist.ProcessGroup | None) -> None:
         self._pg = pg
+        # one per block of rows: a kernel may hold every block's sums before applying them
+        self._workspaces: dict[str, Workspace] = {}
 
     def __call__(self, label: str, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-        return sparse_all_reduce(rows, grads, group=self._pg, name=f"data_parallel_grads.{label}")
+        return sparse_all_reduce(
+            rows,
+            grads,
+            group=self._pg,
+            name=f"data_parallel_grads.{label}",
+            workspace=self._workspaces.setdefault(label, Workspace()),
+        )
 
 
 class DpSharding:

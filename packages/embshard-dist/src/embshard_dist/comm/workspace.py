@@ -1,0 +1,44 @@
+"""Buffers reused from one step to the next by the collectives that move large tensors.
+
+A fresh tensor above glibc's largest mmap threshold (32 MiB) is mapped anew on every
+allocation, and each of its 4 KiB pages faults on first touch: on the machines embshard is
+measured on that costs about as much as writing the tensor three times. A :class:`Workspace`
+keeps one flat buffer per name and hands out views of it, growing by a quarter when a request
+outgrows it.
+
+Guarantee: a view stays valid until the next :meth:`Workspace.take` of the same name; callers
+hand results that live in a workspace only to code that consumes them before the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class Workspace:
+    """Named reusable buffers (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, Tensor] = {}
+
+    def take(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """An uninitialised ``shape`` tensor viewing buffer ``name``.
+
+        Args:
+            name: the buffer.
+            shape: the view's shape.
+            dtype: its dtype (a buffer of another dtype or device is replaced).
+            device: its device.
+        """
+        numel = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
+            flat = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+            self._flat[name] = flat
+        return flat[:numel].view(*shape)
