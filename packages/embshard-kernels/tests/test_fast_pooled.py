@@ -27,19 +27,26 @@ SPECS = {
 ROWS = {"f1": 7, "f2": 7, "f3": 5, "f4": 9}
 
 
-def _config(spec: OptimizerSpec, pooling: str = "sum", weighted: bool = False):  # type: ignore[no-untyped-def]
-    # widths 8, 8, 4: two runs; table "a" serves two features
+def _config(  # type: ignore[no-untyped-def]
+    spec: OptimizerSpec, pooling: str = "sum", weighted: bool = False, one_run: bool = False
+):
+    # widths 8, 8, 4: two runs (one_run: 8, 8, 8, the sample-major backward); table "a"
+    # serves two features
     return one_group(
         table("a", 7, 8, ["f1", "f2"], pooling=pooling, weighted=weighted, optimizer=spec),
         table("b", 5, 8, ["f3"], pooling=pooling, weighted=weighted, optimizer=spec),
-        table("c", 9, 4, ["f4"], pooling=pooling, weighted=weighted, optimizer=spec),
+        table(
+            "c", 9, 8 if one_run else 4, ["f4"], pooling=pooling, weighted=weighted, optimizer=spec
+        ),
     )
 
 
-def _pair(spec: OptimizerSpec, pooling: str, weighted: bool):  # type: ignore[no-untyped-def]
+def _pair(  # type: ignore[no-untyped-def]
+    spec: OptimizerSpec, pooling: str, weighted: bool, one_run: bool = False
+):
     """A kernel on the fast path and one forced onto the general path, same weights."""
-    fast = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted), backend="torch")
-    general = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted), backend="torch")
+    fast = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted, one_run), backend="torch")
+    general = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted, one_run), backend="torch")
     general.load_state_dict(fast.state_dict())
     tbe = general.emb_module
     assert isinstance(tbe, TorchFusedTBE) and tbe.fast is not None
@@ -62,10 +69,11 @@ def _kjt(step: int, weighted: bool, batch_sizes: list[int] | None = None) -> Key
     "pooling,weighted,variable",
     [("sum", False, False), ("sum", True, False), ("mean", False, False), ("sum", False, True)],
 )
+@pytest.mark.parametrize("one_run", [False, True], ids=["two_runs", "one_run"])
 def test_fast_path_trains_like_the_general_path(
-    name: str, pooling: str, weighted: bool, variable: bool
+    name: str, pooling: str, weighted: bool, variable: bool, one_run: bool
 ) -> None:
-    fast, general = _pair(SPECS[name], pooling, weighted)
+    fast, general = _pair(SPECS[name], pooling, weighted, one_run)
     initial = snapshot(fast.split_embedding_weights())
     for step in range(4):
         sizes = [3, 5, 1, 4] if variable else None

@@ -300,19 +300,33 @@ class FastPooledPath:
             reductions: from :meth:`run_reductions`: how to complete row statistics of column
                 shards (``None``: nothing to complete).
         """
-        grads = split_pooled(grad_output.float(), self.feature_dims, layout.batch_per_rank)
+        grad_output = grad_output.float()
+        # One run of every feature, one batch size: the gradient [batch, features * width] is,
+        # as it is, a [batch * features, width] matrix of bags in sample-major order; the
+        # sparse product reads it there instead of from a feature-major copy.
+        sample_major = (
+            len(self.runs) == 1 and layout.batch_per_rank is None and grad_output.dim() == 2
+        )
+        grads = (
+            []
+            if sample_major
+            else split_pooled(grad_output, self.feature_dims, layout.batch_per_rank)
+        )
         touched: list[tuple[int, Tensor, Tensor]] = []
         for i, (run, batch) in enumerate(zip(self.runs, batches, strict=True)):
             if batch.rows.numel() == 0 and exchange is None:
                 continue
-            parts = [grads[f] for f in run.features]
-            if not parts:
-                bag_grads = grad_output.new_zeros(0, run.width, dtype=torch.float32)
+            if sample_major:
+                bag_grads = grad_output.contiguous().view(-1, run.width)
+                features = len(run.features)
             else:
-                bag_grads = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-            if self.pooling is PoolingType.MEAN:
-                bag_grads = bag_grads / _divisors(batch).to(bag_grads.dtype)
-            rows, summed = self._row_sums(bag_grads, batch, i)
+                parts = [grads[f] for f in run.features]
+                if not parts:
+                    bag_grads = grad_output.new_zeros(0, run.width)
+                else:
+                    bag_grads = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+                features = 0
+            rows, summed = self._row_sums(bag_grads, batch, i, features)
             if exchange is not None:
                 rows, summed = exchange(self.labels[i], rows, summed)
             if rows.numel():
@@ -347,7 +361,7 @@ class FastPooledPath:
                 out.append(part / self._full_dims_of(i, rows, reductions.full_dims))
             return out
         out = []
-        for (i, rows, summed), square in zip(touched, squares, strict=True):
+        for (i, _rows, summed), square in zip(touched, squares, strict=True):
             reduction = reductions[i] if reductions is not None else None
             if reduction is None:
                 out.append(square.div_(summed.shape[1]))
@@ -365,12 +379,22 @@ class FastPooledPath:
         dims = torch.tensor([float(full_dims[t]) for t in run.tables])
         return dims.index_select(0, table)
 
-    def _row_sums(self, bag_grads: Tensor, batch: RunBatch, run: int) -> tuple[Tensor, Tensor]:
+    def _row_sums(
+        self, bag_grads: Tensor, batch: RunBatch, run: int, sample_major_features: int = 0
+    ) -> tuple[Tensor, Tensor]:
         """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each.
 
         The sum is a sparse product: row ``r`` of a CSR matrix ``[rows x bags]`` holds, at the
-        bag of every id that reads ``r``, 1 or the id's weight. The result lives in the reused
-        workspace until the next call.
+        bag of every id that reads ``r``, 1 or the id's weight (MEAN: divided by the bag's
+        length). The result lives in run ``run``'s reused workspace until its next call.
+
+        Args:
+            bag_grads: the gradient of every bag: feature-major, or (``sample_major_features``
+                features) sample-major ``[batch * features, width]``.
+            batch: the run's ids and bags (feature-major).
+            run: the run's index.
+            sample_major_features: 0, or the number of features when ``bag_grads`` is
+                sample-major.
         """
         n, num_bags = batch.rows.numel(), bag_grads.shape[0]
         if n == 0:
@@ -381,19 +405,27 @@ class FastPooledPath:
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         crow = torch.zeros(unique.numel() + 1, dtype=keys.dtype)
         torch.cumsum(counts, 0, out=crow[1:])
+        lengths = batch.offsets.diff()
         bag_of_id = torch.repeat_interleave(
-            torch.arange(num_bags, dtype=keys.dtype), batch.offsets.diff(), output_size=n
-        )
-        values = (
-            torch.ones(n) if batch.weights is None else batch.weights.index_select(0, order).float()
-        )
+            torch.arange(num_bags, dtype=keys.dtype), lengths, output_size=n
+        ).index_select(0, order)
+        values = None if batch.weights is None else batch.weights.index_select(0, order).float()
+        if self.pooling is PoolingType.MEAN:
+            inverse_lengths = 1.0 / lengths.clamp(min=1).float()
+            scale = inverse_lengths.index_select(0, bag_of_id)
+            values = scale if values is None else values.mul_(scale)
+        if sample_major_features:  # bag f * B + i is row i * F + f of the gradient
+            per_feature = num_bags // sample_major_features
+            bag_of_id = (bag_of_id % per_feature) * sample_major_features + bag_of_id.div(
+                per_feature, rounding_mode="floor"
+            )
         summed = self._workspace(run, unique.numel(), bag_grads.shape[1])
         with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
             warnings.simplefilter("ignore", UserWarning)
             pattern = torch.sparse_csr_tensor(
                 crow,
-                bag_of_id.index_select(0, order),
-                values,
+                bag_of_id,
+                torch.ones(n) if values is None else values,
                 (unique.numel(), num_bags),
                 check_invariants=False,
             )

@@ -158,8 +158,16 @@ class ColumnAssembly:
         return out
 
     def split(self, values: Tensor) -> list[Tensor]:
-        """The inverse of :meth:`assemble`: one contiguous ``[batch, w_i]`` per part."""
-        parts = [values.new_empty(values.shape[0], w) for w in self.widths]
+        """The inverse of :meth:`assemble`: one contiguous ``[batch, w_i]`` per part, the parts
+        one after another in one buffer (so an all-to-all sends them without a copy)."""
+        batch = values.shape[0]
+        flat = values.new_empty(batch * self.width)
+        parts = [
+            chunk.view(batch, w)
+            for chunk, w in zip(
+                flat.split([batch * w for w in self.widths]), self.widths, strict=True
+            )
+        ]
         for p, src, dst, width in self.runs:
             parts[p][:, src : src + width] = values[:, dst : dst + width]
         return parts
