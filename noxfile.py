@@ -176,4 +176,7 @@ def compare(session: nox.Session) -> None:
         "print('torch', torch.__version__, 'fbgemm-gpu-cpu', fbgemm_gpu.__version__, "
         "'torchrec', m.version('torchrec'))",
     )
+    if "--help" not in session.posargs:
+        # import cost side by side (fresh interpreters): embshard_dist vs torchrec
+        session.run("python", "benchmarks/import_time.py", "--torchrec", "--repeat", "5")
     session.run("python", "-m", "benchmarks.compare.run", *session.posargs)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+
+pytest.importorskip("pytest_benchmark", reason="benchmarks need pytest-benchmark (nox -s bench)")
+
 from k1_contenders import embshard_collection, fbgemm_tbe, torch_embedding_bags
 from workloads import K1
 

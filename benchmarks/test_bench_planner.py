@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+pytest.importorskip("pytest_benchmark", reason="benchmarks need pytest-benchmark (nox -s bench)")
+
 from embshard_dist.planner.constraints import ParameterConstraints
 from embshard_dist.planner.enumerate import DefaultCapabilities
 from embshard_dist.planner.planner import EmbeddingShardingPlanner
