@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec, is_active
-from embshard_dist.comm._exchange import decode_chunks, start_all_to_all
+from embshard_dist.comm._exchange import decode_chunks, join_rows, start_all_to_all
 from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
@@ -138,7 +138,7 @@ class _ReduceScatterOp:
         padded = (max(self._batches), self._dim)
         chunks = decode_chunks(recv, coder, [padded] * self._world)
         rows = [c[:b] for c, b in zip(chunks, self._batches, strict=True)]
-        return torch.cat(rows)
+        return join_rows(rows)
 
 
 class PooledEmbeddingsReduceScatter(nn.Module):

@@ -103,4 +103,6 @@ class PooledOutputDist(nn.Module):
 
     def forward(self, embeddings: Tensor, ctx: ShardingStepContext) -> Awaitable[Tensor]:
         """Start the all-to-all of ``[sum of batches, local width]`` pooled rows."""
-        return self._all_to_all(scale_grad(embeddings, self._world), ctx.batch_size_per_rank)
+        # the gradient reaching scale_grad is the all-to-all's own receive buffer
+        scaled = scale_grad(embeddings, self._world, in_place=True)
+        return self._all_to_all(scaled, ctx.batch_size_per_rank)

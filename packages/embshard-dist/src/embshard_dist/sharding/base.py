@@ -412,24 +412,30 @@ class _ScaleGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor, divisor: int) -> Tensor:
+    def forward(ctx: Any, input: Tensor, divisor: int, in_place: bool) -> Tensor:
         ctx.factor = 1.0 / divisor
+        ctx.in_place = in_place
         return input.view_as(input)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.factor, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.in_place:
+            return grad.mul_(ctx.factor), None, None
+        return grad * ctx.factor, None, None
 
 
-def scale_grad(embeddings: Tensor, world_size: int) -> Tensor:
+def scale_grad(embeddings: Tensor, world_size: int, *, in_place: bool = False) -> Tensor:
     """``embeddings`` unchanged, whose gradient is divided by ``world_size`` (the 1/N rule).
 
     Args:
         embeddings: pooled embeddings on their way to (or back from) the output dist.
         world_size: N, the number of ranks whose losses are averaged.
+        in_place: scale the incoming gradient in place; only where it comes straight from an
+            embshard collective's backward (a buffer of its own, read by nobody else), so that
+            no large tensor is allocated per step.
     """
     if world_size == 1 or not embeddings.requires_grad:
         return embeddings
-    out = _ScaleGrad.apply(embeddings, world_size)
+    out = _ScaleGrad.apply(embeddings, world_size, in_place)
     assert isinstance(out, Tensor)
     return out

@@ -120,7 +120,9 @@ class RwOutputDist(nn.Module):
 
     def forward(self, embeddings: Tensor, ctx: ShardingStepContext) -> Awaitable[Tensor]:
         """Start the reduce-scatter of ``[sum of batches, sum of dims]`` partial sums."""
-        started = self._reduce_scatter(scale_grad(embeddings, self._world), ctx.batch_size_per_rank)
+        # the gradient reaching scale_grad is the all-gather's own receive buffer
+        scaled = scale_grad(embeddings, self._world, in_place=True)
+        started = self._reduce_scatter(scaled, ctx.batch_size_per_rank)
         if self._mean is not None:
             assert ctx.bag_lengths is not None
             divisor = self._divisor(ctx.bag_lengths, embeddings.dtype)
