@@ -141,12 +141,21 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def asv(session: nox.Session) -> None:
-    """asv benchmarks of the current commit; HTML published to benchmarks/html."""
+    """asv of HEAD and the recent history of main (each commit's own four packages), HTML
+    published to benchmarks/html. Arguments go to the driver: revisions, --commits N,
+    --bench REGEX, --no-publish."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "bench")
-    with session.chdir("benchmarks"):
-        session.run("asv", "machine", "--yes")
-        session.run("asv", "run", "--python=same", "--quick", "--show-stderr", *session.posargs)
-        session.run("asv", "publish")
+    session.run("python", "benchmarks/asv_history.py", "run", "--quick", *session.posargs)
+
+
+@nox.session
+def asv_compare(session: nox.Session) -> None:
+    """Fail when revision B is worse than A by more than 10% on any asv benchmark:
+    ``nox -s asv_compare -- A B [--factor 1.10] [--confirm 2] [--rerun]``."""
+    if len(session.posargs) < 2:
+        session.error("usage: nox -s asv_compare -- A B [--factor 1.10] [--confirm N] [--rerun]")
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "bench")
+    session.run("python", "benchmarks/asv_history.py", "compare", "--quick", *session.posargs)
 
 
 @nox.session

@@ -1,4 +1,5 @@
-"""asv: K1 kernels (forward and forward+backward+update) for embshard and FBGEMM."""
+"""asv: K1 kernels (forward and forward+backward+update) for embshard and FBGEMM, and the peak
+resident memory of a process that builds the K1 tables and runs one step."""
 
 from __future__ import annotations
 
@@ -30,3 +31,6 @@ class K1Kernels:
 
     def time_forward(self, contender: str) -> None:
         self.forward()
+
+    def peakmem_step(self, contender: str) -> None:
+        self.step()

@@ -1,0 +1,103 @@
+"""asv: W1 step time and peak memory per rank for every sharding type and a mixed plan.
+
+W1 (4 tables of 100,000 x 64, 10-30 uniform ids per bag, 1,024 samples per rank) on 2 gloo
+processes with 1 thread each, RowWiseAdagrad fused in backward, through the side-by-side
+harness's embshard half (``benchmarks/compare``). All plans run once per commit, in
+``setup_cache`` (one fresh interpreter running ``w1_job``, one fresh group of ranks per plan);
+the ``track_`` benchmarks only read that cache:
+
+* ``W1StepTime.track_step_ms``: the slowest rank's median step (forward + backward + update)
+  in ms, over ``STEPS`` timed steps after ``WARMUP`` warm-up steps;
+* ``W1PeakMemory.track_peak_rss_mb``: peak resident memory of each rank in MB (``ru_maxrss``,
+  the whole process: interpreter, torch, FBGEMM and the shards).
+
+A plan embshard cannot run at the benchmarked commit fails its benchmarks with the reason.
+Set ``EMBSHARD_ASV_W1_STEPS`` / ``EMBSHARD_ASV_W1_WARMUP`` to change the step counts, and
+``EMBSHARD_ASV_W1_PLANS`` (comma-separated) to run only some plans (the others are skipped;
+``asv_history.py compare`` uses it to re-measure only the plans it suspects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANS = [
+    "data_parallel",
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "table_row_wise",
+    "grid_shard",
+    "mixed",
+]
+STEPS = int(os.environ.get("EMBSHARD_ASV_W1_STEPS", "5"))
+WARMUP = int(os.environ.get("EMBSHARD_ASV_W1_WARMUP", "2"))
+
+
+def run_w1() -> dict[str, Any]:
+    """Every W1 plan on fresh ranks; per plan its figures or ``{"error": ...}``."""
+    with tempfile.TemporaryDirectory(prefix="embshard-asv-w1-") as tmp:
+        out = Path(tmp, "w1.json")
+        cmd = [sys.executable, "-m", "benchmarks.asv_bench.w1_job", "--out", str(out)]
+        cmd += ["--steps", str(STEPS), "--warmup", str(WARMUP)]
+        only = os.environ.get("EMBSHARD_ASV_W1_PLANS", "")
+        cmd += ["--plans", *only.split(",")] if only else []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+            raise RuntimeError(f"the W1 job exited with status {proc.returncode}:\n{tail}")
+        results: dict[str, Any] = json.loads(out.read_text())
+    return results
+
+
+run_w1.timeout = 900  # type: ignore[attr-defined]
+
+
+def _skip_unless_run(cache: dict[str, Any], plan: str) -> None:
+    if plan not in cache:  # left out on purpose (EMBSHARD_ASV_W1_PLANS): asv records it skipped
+        raise NotImplementedError(f"W1 {plan} not run (EMBSHARD_ASV_W1_PLANS)")
+
+
+def _figures(cache: dict[str, Any], plan: str) -> dict[str, Any]:
+    entry: dict[str, Any] = cache[plan]
+    if "error" in entry:
+        raise RuntimeError(entry["error"])
+    return entry
+
+
+class W1StepTime:
+    params = PLANS
+    param_names = ["plan"]
+    timeout = 900
+    setup_cache = staticmethod(run_w1)
+
+    def setup(self, cache: dict[str, Any], plan: str) -> None:
+        _skip_unless_run(cache, plan)
+
+    def track_step_ms(self, cache: dict[str, Any], plan: str) -> float:
+        return float(_figures(cache, plan)["step_ms"])
+
+    track_step_ms.unit = "ms"  # type: ignore[attr-defined]
+
+
+class W1PeakMemory:
+    params = [PLANS, [0, 1]]
+    param_names = ["plan", "rank"]
+    timeout = 900
+    setup_cache = staticmethod(run_w1)
+
+    def setup(self, cache: dict[str, Any], plan: str, rank: int) -> None:
+        _skip_unless_run(cache, plan)
+
+    def track_peak_rss_mb(self, cache: dict[str, Any], plan: str, rank: int) -> float:
+        return float(_figures(cache, plan)["peak_rss_mb"][rank])
+
+    track_peak_rss_mb.unit = "MB"  # type: ignore[attr-defined]
