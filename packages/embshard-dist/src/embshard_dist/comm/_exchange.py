@@ -28,6 +28,7 @@ def start_all_to_all(
     *,
     group: dist.ProcessGroup | None,
     timeout: Timeout,
+    recv_buffer: Tensor | None = None,
 ) -> tuple[PendingCollective, Tensor]:
     """Start sending ``chunks[r]`` to rank ``r``; the pending collective and the wire buffer.
 
@@ -39,13 +40,16 @@ def start_all_to_all(
         like: a tensor on the payload's device (for an empty send).
         group: the process group.
         timeout: time limit of the wait.
+        recv_buffer: a flat buffer of the wire dtype to receive into (at least the total size);
+            ``None``: a new one.
     """
     wire = [coder.encode(c) for c in chunks]
     send = _joined(wire)
     if send is None:
         send = torch.cat(wire) if wire else like.new_empty(0, dtype=coder.wire_dtype)
     recv_sizes = [coder.wire_size(n) for n in recv_numels]
-    recv = send.new_empty(sum(recv_sizes))
+    total = sum(recv_sizes)
+    recv = send.new_empty(total) if recv_buffer is None else recv_buffer[:total]
     send_sizes = [w.numel() for w in wire]
     pending = issue(
         collective,

@@ -157,11 +157,17 @@ class ColumnAssembly:
             out[:, dst : dst + width] = parts[p][:, src : src + width]
         return out
 
-    def split(self, values: Tensor) -> list[Tensor]:
+    def split(self, values: Tensor, out: Tensor | None = None) -> list[Tensor]:
         """The inverse of :meth:`assemble`: one contiguous ``[batch, w_i]`` per part, the parts
-        one after another in one buffer (so an all-to-all sends them without a copy)."""
+        one after another in one buffer (so an all-to-all sends them without a copy).
+
+        Args:
+            values: ``[batch, width]``.
+            out: a flat buffer of at least ``batch * width`` elements to hold the parts
+                (``None``: a new one).
+        """
         batch = values.shape[0]
-        flat = values.new_empty(batch * self.width)
+        flat = values.new_empty(batch * self.width) if out is None else out[: batch * self.width]
         parts = [
             chunk.view(batch, w)
             for chunk, w in zip(

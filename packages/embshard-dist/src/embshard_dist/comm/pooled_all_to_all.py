@@ -33,6 +33,7 @@ from embshard_dist.comm._codec import ChunkCodec
 from embshard_dist.comm._exchange import decode_chunks, join_rows, start_all_to_all
 from embshard_dist.comm.columns import ColumnAssembly
 from embshard_dist.comm.timeouts import PendingCollective, Timeout
+from embshard_dist.comm.workspace import BufferPool
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 
@@ -51,8 +52,11 @@ class _PooledAllToAllOp:
         codecs: QuantizedCommCodecs | None,
         timeout: Timeout,
         assembly: ColumnAssembly,
+        pool: BufferPool,
     ) -> None:
         self._assembly = assembly
+        self._pool = pool
+        self._lent: Tensor | None = None
         self._group = group
         self._rank = rank
         self._dims = dim_sum_per_rank
@@ -71,6 +75,7 @@ class _PooledAllToAllOp:
         coder: ChunkCodec,
         direction: str,
         like: Tensor,
+        recv_buffer: Tensor | None = None,
     ) -> None:
         self._pending, self._recv = start_all_to_all(
             f"{NAME}.{direction}",
@@ -80,6 +85,7 @@ class _PooledAllToAllOp:
             like,
             group=self._group,
             timeout=self._timeout,
+            recv_buffer=recv_buffer,
         )
         self._coder, self._recv_shapes = coder, recv_shapes
 
@@ -90,23 +96,40 @@ class _PooledAllToAllOp:
         self._pending = self._recv = self._coder = None
         return out
 
+    # The forward's receive buffer and the backward's send buffer are lent by the module's
+    # pool: what arrives in the forward is copied out by the assembly, what the backward sends
+    # is done with once the exchange completes. The backward's receive buffer becomes the
+    # gradient handed on, so it is always new.
+
     def start_forward(self, input: Tensor) -> None:
         chunks = list(input.split(self._batches, dim=0))
         coder = ChunkCodec(self._codecs.forward if self._codecs else None, input.dtype)
         recv_shapes = [(self._batches[self._rank], d) for d in self._dims]
-        self._exchange(chunks, recv_shapes, coder, "forward", input)
+        numel = sum(coder.wire_size(b * d) for b, d in recv_shapes)
+        self._lent = self._pool.lend(numel, coder.wire_dtype, input.device)
+        self._exchange(chunks, recv_shapes, coder, "forward", input, self._lent)
 
     def finish_forward(self) -> Tensor:
-        return self._assembly.assemble(self._received())
+        out = self._assembly.assemble(self._received())
+        self._return_lent()
+        return out
 
     def start_backward(self, grad_output: Tensor) -> None:
-        chunks = self._assembly.split(grad_output)
+        self._lent = self._pool.lend(grad_output.numel(), grad_output.dtype, grad_output.device)
+        chunks = self._assembly.split(grad_output, self._lent)
         coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
         recv_shapes = [(b, self._dims[self._rank]) for b in self._batches]
         self._exchange(chunks, recv_shapes, coder, "backward", grad_output)
 
     def finish_backward(self) -> Tensor:
-        return join_rows(self._received())
+        out = join_rows(self._received())
+        self._return_lent()
+        return out
+
+    def _return_lent(self) -> None:
+        if self._lent is not None:
+            self._pool.give_back(self._lent)
+            self._lent = None
 
 
 class PooledEmbeddingsAllToAll(nn.Module):
@@ -150,6 +173,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
             )
         self._dim_sum_per_rank = dims
         self._assembly = ColumnAssembly(dims, columns)
+        self._pool = BufferPool()
         self._device = device
         self._callbacks = list(callbacks or [])
         self._codecs = codecs
@@ -183,6 +207,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
             self._codecs,
             self._timeout,
             self._assembly,
+            self._pool,
         )
         awaitable = CollectiveAwaitable(op, local_embs)
         awaitable.callbacks.extend(self._callbacks)

@@ -8,6 +8,8 @@ outgrows it.
 
 Guarantee: a view stays valid until the next :meth:`Workspace.take` of the same name; callers
 hand results that live in a workspace only to code that consumes them before the next step.
+A :class:`BufferPool` lends flat buffers to one call at a time (calls that overlap get
+different buffers) and takes them back when the call is done with them.
 """
 
 from __future__ import annotations
@@ -42,3 +44,24 @@ class Workspace:
             flat = torch.empty(numel + numel // 4, dtype=dtype, device=device)
             self._flat[name] = flat
         return flat[:numel].view(*shape)
+
+
+class BufferPool:
+    """Flat buffers lent out and given back (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._free: list[Tensor] = []
+
+    def lend(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A flat buffer of at least ``numel`` elements, the caller's until :meth:`give_back`."""
+        for i, flat in enumerate(self._free):
+            if flat.numel() >= numel and flat.dtype == dtype and flat.device == device:
+                return self._free.pop(i)
+        return torch.empty(numel + numel // 4, dtype=dtype, device=device)
+
+    def give_back(self, flat: Tensor) -> None:
+        """Return a buffer from :meth:`lend` (keeps the two largest free buffers)."""
+        self._free.append(flat)
+        if len(self._free) > 2:
+            self._free.sort(key=lambda t: t.numel(), reverse=True)
+            del self._free[2:]
