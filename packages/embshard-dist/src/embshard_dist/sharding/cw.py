@@ -39,7 +39,7 @@ from embshard_kernels.grouping import ShardedTableConfig
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimType
 from embshard_types.shard_spec import ShardSpec
-from embshard_types.vocab import CommOp, ComputeKernel, ShardingType
+from embshard_types.vocab import CommOp, ComputeKernel, PoolingType, ShardingType
 
 ROW_WISE_OPTIMIZERS = frozenset(
     {
@@ -115,10 +115,14 @@ class CwSharding:
             if self._needs_row_sums(t) and ranks not in self._groups:
                 self._groups[ranks] = subgroup(options.pg, list(ranks))
 
-    def _kernel_key(self, config: ShardedTableConfig) -> tuple[int, ...] | None:
-        """Blocks needing row sums share a kernel only with blocks on the same ranks."""
+    def _kernel_key(self, config: ShardedTableConfig) -> tuple[int, ...] | str | None:
+        """Blocks needing row sums share a kernel only with blocks on the same ranks; sequence
+        blocks (whose kernels group by width, and a table's blocks may differ in width from
+        rank to rank) get a kernel each, so that every rank calls the row sums in one order."""
         if not self._row_wise:
             return None
+        if config.pooling is PoolingType.NONE:
+            return config.name
         return self._ranks[config.name]
 
     def _needs_row_sums(self, table: BagTable) -> bool:
