@@ -406,19 +406,16 @@ class FastPooledPath:
         crow = torch.zeros(unique.numel() + 1, dtype=keys.dtype)
         torch.cumsum(counts, 0, out=crow[1:])
         lengths = batch.offsets.diff()
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(num_bags, dtype=keys.dtype), lengths, output_size=n
-        ).index_select(0, order)
+        bags = torch.arange(num_bags, dtype=keys.dtype)
+        if sample_major_features:  # bag f * B + i is row i * F + f of the gradient
+            bags = bags.view(-1, sample_major_features).t().reshape(-1)
+        bag_of_id = torch.repeat_interleave(bags, lengths, output_size=n).index_select(0, order)
         values = None if batch.weights is None else batch.weights.index_select(0, order).float()
         if self.pooling is PoolingType.MEAN:
             inverse_lengths = 1.0 / lengths.clamp(min=1).float()
-            scale = inverse_lengths.index_select(0, bag_of_id)
+            scale = torch.repeat_interleave(inverse_lengths, lengths, output_size=n)
+            scale = scale.index_select(0, order)
             values = scale if values is None else values.mul_(scale)
-        if sample_major_features:  # bag f * B + i is row i * F + f of the gradient
-            per_feature = num_bags // sample_major_features
-            bag_of_id = (bag_of_id % per_feature) * sample_major_features + bag_of_id.div(
-                per_feature, rounding_mode="floor"
-            )
         summed = self._workspace(run, unique.numel(), bag_grads.shape[1])
         with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
             warnings.simplefilter("ignore", UserWarning)
