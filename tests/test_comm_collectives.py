@@ -12,6 +12,7 @@ from embshard_dist.comm.collectives import (
     all_gather_v,
     all_reduce,
     barrier,
+    dense_row_all_reduce,
     sparse_all_gather,
     sparse_all_reduce,
     sum_rows,
@@ -60,6 +61,12 @@ def _collectives_case() -> bool:
             if r == row:
                 acc += all_grads[j]
         assert torch.equal(summed[i].cpu(), acc)
+
+    # the small-block path: distinct rows in, the same rows and sums out
+    distinct_rows, distinct_grads = sum_rows(*mine_touched)
+    dense_rows, dense_sums = dense_row_all_reduce(distinct_rows, distinct_grads, 6)
+    assert dense_rows.tolist() == expected_rows
+    torch.testing.assert_close(dense_sums.cpu(), summed.cpu(), rtol=1e-6, atol=1e-6)
     return True
 
 

@@ -42,18 +42,19 @@ def _step(kernel: BatchedFusedEmbeddingBag, scale: float = 1.0) -> None:
 @pytest.mark.parametrize("general", [False, True], ids=["fast", "general"])
 def test_grad_exchange_sees_every_block_and_its_result_is_applied(general: bool) -> None:
     doubled = _kernel(general=general)
-    calls: list[tuple[str, list[int]]] = []
+    calls: list[tuple[str, list[int], int]] = []
 
-    def exchange(label: str, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-        calls.append((label, rows.tolist()))
+    def exchange(label: str, rows: Tensor, grads: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+        calls.append((label, rows.tolist(), num_rows))
         return rows, grads * 2
 
     doubled.emb_module.grad_exchange = exchange
     _step(doubled)
     if general:
-        assert calls == [("a", [1, 3]), ("b", [])]  # table "b" had no ids, and was still offered
+        # table "b" had no ids, and was still offered
+        assert calls == [("a", [1, 3], 5), ("b", [], 3)]
     else:
-        assert calls == [("a+b", [1, 3])]  # one run: rows of "a" then "b" (5 + id)
+        assert calls == [("a+b", [1, 3], 8)]  # one run: rows of "a" then "b" (5 + id)
     reference = _kernel()
     _step(reference, scale=2.0)
     for a, b in zip(

@@ -43,8 +43,9 @@ from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.vocab import DataType, PoolingType
 
-RowExchange = Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]
-"""``(label, rows, summed grads) -> (rows, grads)``: what the update applies (see ``update``)."""
+RowExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
+"""``(label, rows, summed grads, run rows) -> (rows, grads)``: what the update applies (see
+``update``)."""
 
 FAST_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
 """Optimizers the fast path applies (RowWiseAdagrad without weight decay or max-norm)."""
@@ -295,8 +296,9 @@ class FastPooledPath:
             layout: the call's layout.
             spec: the optimizer.
             exchange: called for every run, in order, even one without ids, with the run's
-                label, its touched rows (sorted, int64, rows of the run) and their summed
-                gradients; what it returns is applied (e.g. rows summed over replicas).
+                label, its touched rows (sorted, int64, rows of the run), their summed
+                gradients and the run's number of rows; what it returns is applied (e.g. rows
+                summed over replicas).
             reductions: from :meth:`run_reductions`: how to complete row statistics of column
                 shards (``None``: nothing to complete).
         """
@@ -328,7 +330,7 @@ class FastPooledPath:
                 features = 0
             rows, summed = self._row_sums(bag_grads, batch, i, features)
             if exchange is not None:
-                rows, summed = exchange(self.labels[i], rows, summed)
+                rows, summed = exchange(self.labels[i], rows, summed, run.rows)
             if rows.numel():
                 touched.append((i, rows, summed))
         mean_squares = self._mean_squares(touched, spec, reductions)

@@ -13,10 +13,11 @@ optimizers apply); gradients w.r.t. per-sample weights are computed with the wei
 were before the update; output layout matches FBGEMM's (see :mod:`embshard_kernels.lookup`).
 
 Two hooks let a sharded collection change what the update sees (both ``None`` by default):
-``grad_exchange(label, rows, grads) -> (rows, grads)`` is called for every block of rows in
-every backward, even one whose batch touched no row (so that replicas can exchange their rows in
-a collective), with the block's label, its touched rows (sorted, distinct, int64, relative to the
-block) and their summed gradients, and its result is what the rule applies. A block is one table
+``grad_exchange(label, rows, grads, num_rows) -> (rows, grads)`` is called for every block of
+rows in every backward, even one whose batch touched no row (so that replicas can exchange their
+rows in a collective), with the block's label, its touched rows (sorted, distinct, int64,
+relative to the block), their summed gradients and the block's number of rows, and its result is
+what the rule applies. A block is one table
 (label: its name) on the general path and a run of same-width tables (label: their names joined
 by ``+``) on the fast path; every rank with the same configuration makes the same calls in the
 same order. ``row_reductions[table]`` is the
@@ -49,8 +50,9 @@ from embshard_optim.sparse_rules import aggregate, rule_for
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.vocab import PoolingType
 
-GradExchange = Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]
-"""``(block label, rows, summed grads) -> (rows, grads)`` to apply (see the module docstring)."""
+GradExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
+"""``(block label, rows, summed grads, block rows) -> (rows, grads)`` to apply (see the module
+docstring)."""
 
 
 class TorchFusedTBE(nn.Module):
@@ -234,7 +236,9 @@ class TorchFusedTBE(nn.Module):
                 continue
             rows, grads = aggregate(ids, torch.cat([per_id[f] for f in features]))
             if self.grad_exchange is not None:
-                rows, grads = self.grad_exchange(self.table_names[t], rows, grads)
+                rows, grads = self.grad_exchange(
+                    self.table_names[t], rows, grads, self._shapes[t][0]
+                )
             reduction = self.row_reductions[t] if self.row_reductions is not None else None
             self.rule.apply(
                 table,

@@ -374,3 +374,56 @@ def sparse_all_reduce(
     """
     all_rows, sources, gathered = _gather_padded(rows, grads, group, timeout, name, workspace)
     return sum_rows(all_rows, gathered, sources=sources, workspace=workspace)
+
+
+def dense_row_all_reduce(
+    rows: Tensor,
+    grads: Tensor,
+    num_rows: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout: Timeout = None,
+    name: str = "dense_row_all_reduce",
+    workspace: Workspace | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`sparse_all_reduce` for a small block of rows: one all-reduce of the whole block.
+
+    Every rank writes its rows' gradients into a zeroed ``[num_rows, dim + 1]`` buffer whose
+    last column marks the rows it touched, the buffer is summed over the group, and the rows
+    marked anywhere come out with their summed gradients. One collective instead of three: the
+    better choice when the block is small (every rank must choose alike, from ``num_rows`` and
+    ``dim`` alone).
+
+    Args:
+        rows: 1-D distinct row ids (below ``num_rows``) touched on this rank.
+        grads: ``[len(rows), dim]`` float32 gradients.
+        num_rows: rows of the block.
+        group: the process group (``None``: the default group).
+        timeout: time limit in seconds (``None``: the policy of ``timeouts``).
+        name: the collective's name in errors.
+        workspace: reused buffer for the block (results are valid until its next use).
+
+    Returns:
+        ``(unique_rows, summed)``, identical on every rank (summed in the backend's order).
+    """
+    if rows.dim() != 1 or grads.dim() != 2 or grads.shape[0] != rows.shape[0]:
+        raise ValueError(
+            f"{name}: expected 1-D row ids and one 2-D gradient row per id, got rows "
+            f"{tuple(rows.shape)} and grads {tuple(grads.shape)}"
+        )
+    width = grads.shape[1]
+    shape = (num_rows, width + 1)
+    space = workspace or Workspace()
+    block = space.take("block", shape, grads.dtype, grads.device).zero_()
+    index = rows.to(torch.int64)
+    block[:, :width].index_copy_(0, index, grads)
+    block[:, width].index_fill_(0, index, 1.0)
+    issue(
+        name,
+        lambda: dist.all_reduce(block, group=group, async_op=True),
+        group=group,
+        timeout=timeout,
+        device=grads.device,
+    ).wait()
+    touched = torch.nonzero(block[:, width]).view(-1)
+    return touched, block[:, :width].index_select(0, touched)

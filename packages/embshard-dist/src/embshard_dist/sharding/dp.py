@@ -6,7 +6,9 @@ communication either).
 
 Math: in the backward each rank sums the gradient of each row its batch touched, the ranks
 exchange those rows (:func:`~embshard_dist.comm.collectives.sparse_all_reduce`: the sorted
-union of the rows, each row's gradients added in rank order, so every rank gets the same bits),
+union of the rows, each row's gradients added in rank order, so every rank gets the same bits;
+a small block of rows is summed whole by one all-reduce instead, still the same bits on every
+rank),
 and every rank applies the same sparse update rule to the same rows. The replicas stay
 bit-identical and equal the unsharded module stepped with ``L = (1/N) * sum_i L_i`` (up to the
 order of the gradient sums). Unlike TorchRec, data-parallel tables are trained by the chosen
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from embshard_dist.comm.collectives import sparse_all_reduce
+from embshard_dist.comm.collectives import dense_row_all_reduce, sparse_all_reduce
 from embshard_dist.comm.workspace import Workspace
 from embshard_dist.sharding._lookup import GroupedBagLookup, kernel_feature_order
 from embshard_dist.sharding.base import (
@@ -76,22 +79,36 @@ class DpOutputDist(nn.Module):
         return NoWait(scale_grad(embeddings, self._world))
 
 
+DENSE_EXCHANGE_BYTES = 4 << 20
+"""Blocks of rows whose whole float32 gradient (plus a marker column) fits in this many bytes
+are summed with one dense all-reduce; larger ones exchange their touched rows only."""
+
+
 class _RowExchange:
-    """A torch TBE's ``grad_exchange`` hook: sum the touched rows' gradients over the ranks."""
+    """A torch TBE's ``grad_exchange`` hook: sum the touched rows' gradients over the ranks.
+
+    Small blocks (:data:`DENSE_EXCHANGE_BYTES`) take one dense all-reduce
+    (:func:`~embshard_dist.comm.collectives.dense_row_all_reduce`), others the touched rows'
+    exchange (:func:`~embshard_dist.comm.collectives.sparse_all_reduce`); every rank chooses
+    alike, from the block's shape alone.
+    """
 
     def __init__(self, pg: dist.ProcessGroup | None) -> None:
         self._pg = pg
         # one per block of rows: a kernel may hold every block's sums before applying them
         self._workspaces: dict[str, Workspace] = {}
 
-    def __call__(self, label: str, rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-        return sparse_all_reduce(
-            rows,
-            grads,
-            group=self._pg,
-            name=f"data_parallel_grads.{label}",
-            workspace=self._workspaces.setdefault(label, Workspace()),
-        )
+    def __call__(
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int
+    ) -> tuple[Tensor, Tensor]:
+        workspace = self._workspaces.setdefault(label, Workspace())
+        name = f"data_parallel_grads.{label}"
+        dense_bytes = num_rows * (grads.shape[1] + 1) * grads.element_size()
+        if grads.dtype == torch.float32 and dense_bytes <= DENSE_EXCHANGE_BYTES:
+            return dense_row_all_reduce(
+                rows, grads, num_rows, group=self._pg, name=name, workspace=workspace
+            )
+        return sparse_all_reduce(rows, grads, group=self._pg, name=name, workspace=workspace)
 
 
 class DpSharding:
