@@ -25,6 +25,8 @@ from embshard_dist.dmp.dense import default_dense_optimizer
 from embshard_dist.dmp.weights import tensor_checksum
 from embshard_dist.model_parallel import DistributedModelParallel
 from embshard_dist.models.dlrm import DLRM, DLRMConfig
+from embshard_dist.planner.auto import runtime_topology
+from embshard_dist.planner.planner import EmbeddingShardingPlanner
 from embshard_dist.planner.simple import SimplePlanner
 from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection
@@ -191,6 +193,12 @@ def _meta_default_plan() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(device="meta")
     dmp = DistributedModelParallel(model, optimizer="rowwise_adagrad")
+    # the default plan is the cost-based planner's, for this run's ranks and memory
+    planner = EmbeddingShardingPlanner(
+        runtime_topology(world, test_device().type), optimizer=dmp.optimizer_spec
+    )
+    sharders = [EmbeddingBagCollectionSharder(optimizer=dmp.optimizer_spec)]
+    expected = planner.plan(build_model(device="meta"), sharders)
     kinds = {ps.sharding_type for mp in dmp.plan.values() for ps in mp.values()}  # type: ignore[attr-defined]
     in_range = all(
         ((local >= -((1 / rows) ** 0.5) - 1e-7) & (local <= (1 / rows) ** 0.5 + 1e-7)).all().item()
@@ -214,6 +222,8 @@ def _meta_default_plan() -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     return {
+        "plan": dmp.plan.to_json(),
+        "planner_plan": expected.to_json(),
         "kinds": kinds,
         "in_range": in_range,
         "same_dense": same_dense,
@@ -223,8 +233,12 @@ def _meta_default_plan() -> dict[str, Any]:
 
 
 def test_meta_model_with_the_default_plan() -> None:
-    for result in run_on_ranks(WORLD, _meta_default_plan):
-        assert result["kinds"] == {ShardingType.TABLE_WISE}
+    results = run_on_ranks(WORLD, _meta_default_plan)
+    assert len({r["plan"] for r in results}) == 1  # planned on rank 0, received by all
+    for result in results:
+        assert result["plan"] == result["planner_plan"]
+        # tables of at most 60 rows: replicas cost less than any all-to-all
+        assert result["kinds"] == {ShardingType.DATA_PARALLEL}
         assert result["in_range"] and result["same_dense"] and result["finite"]
         assert result["meta_left"] == []
 

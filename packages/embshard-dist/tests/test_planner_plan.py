@@ -178,7 +178,7 @@ def test_bad_arguments() -> None:
     )
     with pytest.raises(ValueError, match="constraints name table 'nope'"):
         planner.plan([PlannerTable("t", 10, 8)])
-    with pytest.raises(ValueError, match="found no EmbeddingBagCollection in Linear"):
+    with pytest.raises(ValueError, match="found no embedding collection in Linear"):
         planner.plan(nn.Linear(2, 2))
 
 
@@ -250,7 +250,8 @@ def test_calibrate_command_without_comms(
     topo = Topology.load(out)
     assert topo.world_size == 4
     assert (
-        topo.source.startswith("calibrated on") and "comms: defaults (not measured)" in topo.source
+        topo.source.startswith("calibrated on")
+        and "comms and sharding overheads: defaults (not measured)" in topo.source
     )
     for kernel in ("fused", "dense", "sparse_update"):
         assert topo.kernels[kernel].fwd_bytes_per_s > 0 and topo.kernels[kernel].bwd_bytes_per_s > 0

@@ -1,4 +1,4 @@
-"""The default plan: greedy byte balancing, requested types, shard specs, errors, determinism."""
+"""SimplePlanner's rule-based plan: greedy byte balancing, requested types, shard specs, errors, determinism."""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 
 ``DistributedModelParallel(model)`` does, in order:
 
-1. plan: the given ``ShardingPlan``, or the default plan (:mod:`embshard_dist.planner.simple`);
+1. plan: the given ``ShardingPlan``, or the default plan of the cost-based planner
+   (:mod:`embshard_dist.planner.auto`: ``EmbeddingShardingPlanner`` for this run's ranks, node
+   size and memory, with a calibrated ``topology`` when given; the first rank plans and
+   broadcasts the plan);
 2. check the plan against the model and the world on every rank, BEFORE any collective
    (:mod:`embshard_dist.dmp.checks`), so a bad plan makes every rank raise the same
    ``ValueError`` instead of leaving some waiting;
@@ -48,8 +51,8 @@ from embshard_dist.dmp.dense import (
 )
 from embshard_dist.dmp.weights import check_same_source_weights, materialize_dense, move_dense
 from embshard_dist.planner.agreement import check_plan_agreement
+from embshard_dist.planner.auto import TopologySource, default_plan
 from embshard_dist.planner.shardable import table_shapes
-from embshard_dist.planner.simple import SimplePlanner
 from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_optim.combined import CombinedOptimizer
 from embshard_optim.fused import EmptyFusedOptimizer
@@ -73,7 +76,9 @@ class DistributedModelParallel(nn.Module):
         module: the model, on ``meta``, the CPU or a GPU (same weights on every rank).
         env: the ranks to shard over (default: the default process group).
         device: the compute device (default: this rank's current GPU under NCCL, else CPU).
-        plan: how to shard (default: :class:`~embshard_dist.planner.simple.SimplePlanner`).
+        plan: how to shard (default: planned now by
+            :class:`~embshard_dist.planner.planner.EmbeddingShardingPlanner`, see
+            :func:`~embshard_dist.planner.auto.default_plan`).
         sharders: one sharder per kind of shardable module (default: an
             ``EmbeddingBagCollectionSharder`` and an ``EmbeddingCollectionSharder``, both with
             ``optimizer``).
@@ -88,11 +93,17 @@ class DistributedModelParallel(nn.Module):
         qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value for the default
             sharders (see ``embshard_dist.comm.qcomms.get_qcomm_codecs_registry``); with your
             own ``sharders``, give it to them instead.
+        topology: the machine the default plan is made for, when no ``plan`` is given: a
+            ``Topology``, or the path of a file written by ``embshard calibrate`` (its measured
+            speeds are used; ranks, ranks per node and memory per rank come from this run);
+            default: the built-in speeds (see :func:`~embshard_dist.planner.auto.runtime_topology`).
 
     Raises:
         ValueError: a plan that does not fit the model or the world, ranks that hold
-            different plans or source weights (named table / module / rank), or both
-            ``sharders`` and ``qcomm_codecs_registry``.
+            different plans or source weights (named table / module / rank), both
+            ``sharders`` and ``qcomm_codecs_registry``, or, without a ``plan``, a topology file
+            that cannot be read or a model whose tables fit no plan (``PlannerError``, raised
+            on every rank).
         CollectiveError: a peer died or hung during the checks or the sharding.
     """
 
@@ -109,6 +120,7 @@ class DistributedModelParallel(nn.Module):
         init_data_parallel: bool = True,
         output_dtensor: bool = False,
         qcomm_codecs_registry: QCommCodecsRegistry | None = None,
+        topology: TopologySource | None = None,
     ) -> None:
         super().__init__()
         if sharders is not None and qcomm_codecs_registry is not None:
@@ -127,10 +139,14 @@ class DistributedModelParallel(nn.Module):
         )
         self._dense_factory = dense_optimizer_factory(dense_optimizer, self._spec)
         if plan is None:
-            planner = SimplePlanner(
-                self._env.world_size, device_type=self._device.type, optimizer=self._spec
+            plan = default_plan(
+                module,
+                self._sharders,
+                self._env,
+                self._device.type,
+                optimizer=self._spec,
+                topology=topology,
             )
-            plan = planner.plan(module, self._sharders)
         targets = check_plan(module, plan, self._sharders, self._env, self._device.type)
         pg = self._env.process_group
         if pg is not None:

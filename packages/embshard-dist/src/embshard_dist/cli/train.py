@@ -2,9 +2,13 @@
 
 The main job. It starts ``--nproc`` processes on this host (gloo on the CPU, NCCL when there is
 a GPU per process), or runs as one rank of a torchrun job when ``RANK`` / ``WORLD_SIZE`` are
-set. Every rank builds the same DLRM (seeded), the ranks agree on a plan (the default planner,
-steered by ``--sharding``), ``DistributedModelParallel`` shards it, and each step trains on the
-rank's share of a deterministic global batch (``SyntheticClicks``).
+set. Every rank builds the same DLRM (seeded); rank 0 plans it with the cost-based planner
+(``EmbeddingShardingPlanner``, see :mod:`embshard_dist.planner.auto`: this run's ranks, node size
+and memory, the speeds of ``--topology`` when given, the batch size and the synthetic data's
+ids per bag and skew) and every rank receives the plan; ``--sharding`` pins sharding types
+(one for all tables, or per table; ``auto`` leaves the choice to the planner).
+``DistributedModelParallel`` shards the model, and each step trains on the rank's share of a
+deterministic global batch (``SyntheticClicks``).
 
 Rank 0 prints the plan as a table, a progress line every ``--log-every`` steps (plain text, so
 it works without a terminal: steps/s and the loss averaged over the ranks and the last steps),
@@ -57,6 +61,7 @@ class TrainConfig:
     batch_size: int = 256
     steps: int = 100
     sharding: str | dict[str, str] | None = None
+    topology: str | None = None
     optimizer: str = "rowwise_adagrad"
     lr: float = 0.05
     seed: int = 0
@@ -104,8 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sharding",
         default=None,
-        help="one type for all tables (table_wise, row_wise, column_wise, data_parallel, ...), "
-        "per table 't0=row_wise,t1=table_wise', or auto (default: table_wise)",
+        help="sharding types the planner must use: one type for all tables (table_wise, "
+        "row_wise, column_wise, data_parallel, ...), per table 't0=row_wise,t1=auto', or auto "
+        "(default: the cost-based planner chooses every table's type and placement)",
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        help="topology file written by `embshard calibrate` (measured speeds for the planner; "
+        "default: built-in figures)",
     )
     p.add_argument(
         "--optimizer",
@@ -154,6 +166,13 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
             raise ValueError("--checkpoint-dir and --save-every go together: give both or neither")
         if args.async_save and args.checkpoint_dir is None:
             raise ValueError("--async-save needs --checkpoint-dir and --save-every")
+        if args.topology is not None:
+            from embshard_dist.planner.topology import Topology
+
+            try:
+                Topology.load(args.topology)
+            except OSError as e:
+                raise ValueError(f"--topology: cannot read {args.topology!r}: {e}") from None
     except ValueError as e:
         parser.error(str(e))
     return TrainConfig(
@@ -164,6 +183,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
         batch_size=args.batch_size,
         steps=args.steps,
         sharding=sharding,
+        topology=args.topology,
         optimizer=args.optimizer,
         lr=args.lr,
         seed=args.seed,
@@ -209,11 +229,12 @@ def train_rank(config: TrainConfig) -> int:
     from embshard_dist.data.synthetic import SyntheticClicks
     from embshard_dist.model_parallel import DistributedModelParallel
     from embshard_dist.models.dlrm import DLRM
-    from embshard_dist.planner.simple import SimplePlanner
+    from embshard_dist.planner.auto import default_plan
     from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
     from embshard_dist.sharding.nodes import resolve_local_world_size
     from embshard_optim.specs import OptimizerSpec
     from embshard_types.configs import EmbeddingBagConfig
+    from embshard_types.env import ShardingEnv
 
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = "nccl" in str(dist.get_backend()).lower()
@@ -230,6 +251,7 @@ def train_rank(config: TrainConfig) -> int:
     spec = OptimizerSpec.from_name(config.optimizer, lr=config.lr)
     torch.manual_seed(config.seed)
     model = DLRM(tables)
+    data = SyntheticClicks(tables, batch_size=config.batch_size, seed=config.seed)
     try:
         # ranks per node: torchrun's LOCAL_WORLD_SIZE (the launcher sets it to --nproc), so the
         # planner and the node-aware sharding types agree on the nodes
@@ -237,14 +259,18 @@ def train_rank(config: TrainConfig) -> int:
         sharders: list[Any] = [
             EmbeddingBagCollectionSharder(optimizer=spec, local_world_size=local)
         ]
-        planner = SimplePlanner(
-            world,
-            device_type=device.type,
-            sharding=config.sharding,
+        group = dist.group.WORLD
+        assert group is not None  # the launcher initialised the default group
+        plan = default_plan(
+            model,
+            sharders,
+            ShardingEnv.from_process_group(group),
+            device.type,
             optimizer=spec,
-            local_world_size=local,
+            topology=config.topology,
+            constraints=_constraints(config, data),
+            batch_size=config.batch_size,
         )
-        plan = planner.collective_plan(model, sharders)
         dmp = DistributedModelParallel(
             model, device=device, plan=plan, sharders=sharders, optimizer=spec
         )
@@ -264,7 +290,6 @@ def train_rank(config: TrainConfig) -> int:
     if start >= config.steps:
         _say(rank, f"embshard train: the checkpoint is at step {start}; --steps {config.steps}")
         return 0
-    data = SyntheticClicks(tables, batch_size=config.batch_size, seed=config.seed)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     losses = torch.zeros(config.steps - start, dtype=torch.float64, device=device)
     window, started, last = config.window, time.perf_counter(), time.perf_counter()
@@ -330,6 +355,25 @@ def train_rank(config: TrainConfig) -> int:
             with open(config.json_path, "w") as f:
                 json.dump(summary, f, indent=2)
     return 0
+
+
+def _constraints(config: TrainConfig, data: Any) -> dict[str, Any]:
+    """Per table: the traffic of the synthetic data, and the sharding type pinned, if any."""
+    from embshard_dist.planner.constraints import ParameterConstraints
+    from embshard_dist.planner.requests import AUTO, parse_sharding_type
+    from embshard_types.vocab import ShardingType
+
+    request = config.sharding
+    out = {}
+    for name in config.table_names:
+        raw = request.get(name, AUTO) if isinstance(request, dict) else (request or AUTO)
+        kind = parse_sharding_type(raw, what="--sharding")
+        out[name] = ParameterConstraints(
+            sharding_types=(kind,) if isinstance(kind, ShardingType) else None,
+            pooling_factors=((data.min_ids + data.max_ids) / 2,),
+            zipf_exponent=data.zipf_alpha,
+        )
+    return out
 
 
 def _resume(dmp: Any, config: TrainConfig, rank: int) -> int:

@@ -8,7 +8,12 @@ Modules (import them by path; this package imports nothing itself):
   step time under the memory limits (``partition``: greedy, then ``search``: beam / exact), and
   print why (``stats``); ``collective_plan`` plans on one rank and broadcasts;
 * ``topology``: world size, node size, memory per rank and the bandwidths the estimates use;
-  ``calibrate`` measures them on the machine at hand (``embshard calibrate``);
+  ``calibrate`` measures them on the machine at hand (``embshard calibrate``), with
+  ``probes`` (kernel and memory probes) and ``calibrate_ranks`` (real sharded steps per
+  sharding type on the calibrating processes);
+* ``auto``: the default plan of ``DistributedModelParallel`` and ``embshard train``: the
+  cost-based planner for this run's ranks, node size and memory (``runtime_topology``);
+* ``traffic``: distinct rows a batch touches (uniform or Zipf-skewed ids), for the estimates;
 * ``constraints``: what a user pins per table (allowed types and kernels, placement, workload);
 * ``tables`` / ``spec``: where the tables come from (a model, or a JSON / YAML table spec);
 * ``shardable``: find the shardable sub-modules of a model and the shapes of their tables;

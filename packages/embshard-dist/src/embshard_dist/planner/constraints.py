@@ -6,7 +6,8 @@ traffic (``pooling_factors``: average ids per bag per feature, ``num_poolings``:
 sample per feature, ``batch_sizes``: samples per rank per feature), whether its inputs are
 weighted, cache parameters, and the kernel options copied into its ``ParameterSharding``.
 embshard adds ``ranks``: the only ranks the table's shards may be placed on (one rank forces
-the placement of a table-wise table).
+the placement of a table-wise table), and ``zipf_exponent``: how skewed the ids are (hot rows
+make a step touch fewer distinct rows, see :mod:`~embshard_dist.planner.traffic`).
 
 Constraints are keyed by table name or by ``"module.path.table"`` (the qualified name wins).
 
@@ -81,6 +82,8 @@ class ParameterConstraints:
         output_dtype: copied into the plan.
         key_value_params: copied into the plan (key-value kernel).
         ranks: the only ranks its shards may go to (one rank: a forced placement).
+        zipf_exponent: the ids follow a Zipf law of this exponent over the rows (hot rows;
+            ``None`` or 0: uniform ids); sets how many distinct rows a step updates.
     """
 
     sharding_types: tuple[ShardingType, ...] | None = None
@@ -97,6 +100,7 @@ class ParameterConstraints:
     output_dtype: DataType | None = None
     key_value_params: KeyValueParams | None = None
     ranks: tuple[int, ...] | None = None
+    zipf_exponent: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -157,6 +161,13 @@ class ParameterConstraints:
                     f"ParameterConstraints.ranks must be non-negative ints, got {self.ranks!r}"
                 )
             set_(self, "ranks", tuple(sorted(set(ranks))))
+        z = self.zipf_exponent
+        if z is not None:
+            if isinstance(z, bool) or not isinstance(z, int | float) or not 0 <= z < 100:
+                raise ValueError(
+                    f"ParameterConstraints.zipf_exponent must be a number in [0, 100), got {z!r}"
+                )
+            set_(self, "zipf_exponent", float(z))
 
     def sharding_kwargs(self) -> dict[str, Any]:
         """The kernel options to copy into the table's ``ParameterSharding``."""
@@ -249,11 +260,25 @@ class TableWorkload:
         ids: ids looked up per rank per step (all features).
         bags: pooled outputs per rank per step (all features).
         weighted: whether each id carries a weight.
+        outputs: output rows per rank per step (``bags`` for a pooled table, ``ids`` for a
+            sequence table); default ``bags``.
+        zipf_exponent: skew of the ids (``None``: uniform).
     """
 
     ids: float
     bags: float
     weighted: bool
+    outputs: float | None = None
+    zipf_exponent: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.outputs is None:
+            object.__setattr__(self, "outputs", self.bags)
+
+    @property
+    def output_rows(self) -> float:
+        """``outputs`` resolved."""
+        return self.bags if self.outputs is None else self.outputs
 
 
 def _per_feature(values: tuple[Any, ...] | None, n: int, default: Any) -> list[Any]:
@@ -279,4 +304,10 @@ def table_workload(
     bags = sum(b * p for b, p in zip(bs, npool, strict=True))
     ids = sum(b * p * f for b, p, f in zip(bs, npool, pf, strict=True))
     weighted = table.is_weighted if constraints.is_weighted is None else constraints.is_weighted
-    return TableWorkload(ids=float(ids), bags=float(bags), weighted=weighted)
+    return TableWorkload(
+        ids=float(ids),
+        bags=float(bags),
+        weighted=weighted,
+        outputs=float(ids if table.sequence else bags),
+        zipf_exponent=constraints.zipf_exponent,
+    )

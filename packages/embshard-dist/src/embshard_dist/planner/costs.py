@@ -11,14 +11,25 @@ Every estimate is built from four pieces, each a function of one table's shape a
   its ids out and receiving its pooled rows back;
 * :func:`replica_cost`: a data-parallel table on every rank: a local lookup, then embshard's
   sparse all-reduce of the touched rows and the same sparse update on every rank;
-* :func:`collective_overhead`: the fixed latency of the collectives one sharding type adds.
+* :func:`collective_overhead`: what using one sharding type at all costs every rank per step,
+  and :func:`table_overhead` what each of its tables adds (the calibrated
+  :class:`~embshard_dist.planner.topology.ShardingOverhead`: latency of its collectives and
+  per-call work; without a calibration, the topology's latency per collective); the same
+  calibration's :func:`compute_scale` multiplies the type's compute (its code path against the
+  kernel probes).
 
-Traffic assumptions (documented, deliberately simple): ids are spread uniformly over rows, so
-a row block receives its share of the global ids and ``n`` draws touch
-``rows * (1 - exp(-n / rows))`` distinct rows; collectives move ``sent + received`` bytes at the
-topology's bandwidth, split between peers on the same node and peers on other nodes. Time is
-compute (lookups, updates) plus comms, per rank, with no overlap: the step time of a plan is
-its slowest rank's.
+Compute of a shard: the forward reads the rows of its ids and writes its outputs, the first
+read of each distinct row costing more (a cache miss); the backward moves twice the forward's
+bytes; the fused update reads and writes each distinct touched row with its optimizer state
+(each at its kernel's calibrated throughput).
+
+Traffic assumptions (documented, deliberately simple): hot rows are spread over a table, so a
+row block receives its share of the global ids and of the distinct rows they touch
+(:func:`~embshard_dist.planner.traffic.distinct_rows`: uniform ids, or a Zipf law when the
+table's constraints give ``zipf_exponent``); a sequence table outputs one row per id;
+collectives move ``sent + received`` bytes at the topology's bandwidth, split between peers on
+the same node and peers on other nodes. Time is compute (lookups, updates) plus comms, per
+rank, with no overlap: the step time of a plan is its slowest rank's.
 
 Storage counts whole bytes per rank: weights, optimizer state (``state_names`` of the
 optimizer; row-wise states one fp32 per row), the input and output buffers of one step, and a
@@ -45,7 +56,8 @@ from embshard_dist.planner.constraints import (
     table_workload,
 )
 from embshard_dist.planner.tables import PlannerTable
-from embshard_dist.planner.topology import SPARSE_UPDATE, Topology
+from embshard_dist.planner.topology import SPARSE_UPDATE, KernelThroughput, Topology
+from embshard_dist.planner.traffic import distinct_rows
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.parameter_sharding import ParameterSharding
 from embshard_types.vocab import ComputeKernel, ShardingType
@@ -58,10 +70,12 @@ __all__ = [
     "LoadedTable",
     "batch_cost",
     "collective_overhead",
+    "compute_scale",
     "holder_cost",
     "load_tables",
     "replica_cost",
     "sharding_costs",
+    "table_overhead",
     "usable_memory",
 ]
 
@@ -212,10 +226,25 @@ def load_tables(
     return out
 
 
-def _unique(rows: float, draws: float) -> float:
-    if rows <= 0 or draws <= 0:
-        return 0.0
-    return -rows * math.expm1(-draws / rows)
+def _touched(lt: LoadedTable, rows: float, global_ids: float) -> float:
+    """Distinct rows of a ``rows``-row block of ``lt`` touched by ``global_ids`` ids (over the
+    whole table)."""
+    t = lt.table.rows
+    return distinct_rows(t, global_ids, lt.workload.zipf_exponent) * min(1.0, rows / t)
+
+
+def _update_bytes(touched: float, cols: int, eb: float, state_row: int) -> float:
+    """Bytes the fused update moves: each touched row's weights and gradient read and written,
+    its optimizer state read and written."""
+    return touched * (cols * (2 * eb + 8) + 2 * state_row)
+
+
+def _update_s(nbytes: float, model: CostModel) -> float:
+    """Seconds of the update of the touched rows of a data-parallel table on each replica."""
+    fused = model.topology.throughput(ComputeKernel.FUSED)
+    if fused.update_bytes_per_s is not None and not model.fused_on_torch:
+        return nbytes / fused.update_bytes_per_s
+    return nbytes / model.topology.throughput(SPARSE_UPDATE).bwd_bytes_per_s
 
 
 def _spread(nbytes: float, topo: Topology) -> float:
@@ -252,6 +281,12 @@ def _split_storage(
     return math.ceil(table_bytes + buffers), 0
 
 
+def _forward_s(thr: KernelThroughput, fwd_bytes: float, distinct_bytes: float) -> float:
+    """Seconds of a lookup moving ``fwd_bytes`` whose distinct rows take ``distinct_bytes``."""
+    miss = 0.0 if thr.miss_bytes_per_s is None else distinct_bytes / thr.miss_bytes_per_s
+    return fwd_bytes / thr.fwd_bytes_per_s + miss
+
+
 def _backward_s(
     kernel: ComputeKernel,
     fwd_bytes: float,
@@ -270,13 +305,16 @@ def _backward_s(
         whole = DENSE_PASSES * rows * cols * 4
         return 2 * fwd_bytes / topo.throughput(kernel).bwd_bytes_per_s + whole / topo.memory_bw
     if model.fused_on_torch and kernel in (ComputeKernel.FUSED, ComputeKernel.DEFAULT):
-        update = touched * (cols * (2 * eb + 4) + 2 * state_row)
+        update = _update_bytes(touched, cols, eb, state_row)
         return (
             2 * fwd_bytes / topo.throughput(ComputeKernel.DENSE).bwd_bytes_per_s
             + update / topo.throughput(SPARSE_UPDATE).bwd_bytes_per_s
         )
-    bwd_bytes = 2 * fwd_bytes + 2 * touched * state_row
-    return bwd_bytes / topo.throughput(kernel).bwd_bytes_per_s
+    thr = topo.throughput(kernel)
+    if thr.update_bytes_per_s is None:
+        return (2 * fwd_bytes + 2 * touched * state_row) / thr.bwd_bytes_per_s
+    update = _update_bytes(touched, cols, eb, state_row)
+    return 2 * fwd_bytes / thr.bwd_bytes_per_s + update / thr.update_bytes_per_s
 
 
 def holder_cost(
@@ -304,10 +342,11 @@ def holder_cost(
     n = topo.world_size
     w = lt.workload
     global_bags = n * w.bags
+    global_outputs = n * w.output_rows
     ids_in = n * w.ids * rows / lt.table.rows
-    touched = _unique(rows, ids_in)
+    touched = _touched(lt, rows, n * w.ids)
     in_bytes = ids_in * lt.id_bytes + global_bags * _LENGTH_BYTES
-    out_bytes = global_bags * cols * lt.output_bytes
+    out_bytes = global_outputs * cols * lt.output_bytes
     comms = _spread(in_bytes, topo)
     if sharding_type in _NODE_REDUCED:
         comms += _reduced_within_node(4 * out_bytes, topo)
@@ -322,9 +361,10 @@ def holder_cost(
     if column_blocks > 1 and model.rowwise_state():
         comms += _spread(2 * _STATE_BYTES * touched * column_blocks, topo)
     eb = lt.table.element_bytes
-    fwd_bytes = ids_in * cols * eb + global_bags * cols * lt.output_bytes
-    compute = fwd_bytes / topo.throughput(kernel).fwd_bytes_per_s
+    fwd_bytes = ids_in * cols * eb + global_outputs * cols * lt.output_bytes
+    compute = _forward_s(topo.throughput(kernel), fwd_bytes, touched * cols * eb)
     compute += _backward_s(kernel, fwd_bytes, rows, cols, touched, lt, model)
+    compute *= compute_scale(sharding_type, model)
     table_bytes = rows * (cols * eb + model.state_bytes_per_row(cols))
     buffers = in_bytes + 2 * out_bytes
     if kernel is ComputeKernel.DENSE:
@@ -356,8 +396,8 @@ def batch_cost(
         ShardingType.GRID_SHARD: (column_blocks, column_blocks * m),
     }[sharding_type]
     in_bytes = copies * w.ids * lt.id_bytes + lengths * w.bags * _LENGTH_BYTES
-    out_bytes = w.bags * lt.table.dim * lt.output_bytes
-    comms = _spread(in_bytes, topo)
+    out_bytes = w.output_rows * lt.table.dim * lt.output_bytes
+    comms = _spread(in_bytes, topo) + table_overhead(sharding_type, model)
     if sharding_type not in _ROW_FAMILY:
         comms += _spread(2 * out_bytes, topo)
     compute = 2 * w.ids * lt.id_bytes / topo.memory_bw  # permute / bucketize the ids
@@ -378,32 +418,55 @@ def replica_cost(lt: LoadedTable, kernel: ComputeKernel, model: CostModel) -> Co
     w = lt.workload
     eb = lt.table.element_bytes
     state_row = model.state_bytes_per_row(dim)
-    local_rows = _unique(rows, w.ids)
-    global_rows = _unique(rows, n * w.ids)
+    local_rows = _touched(lt, rows, w.ids)
+    global_rows = _touched(lt, rows, n * w.ids)
     thr = topo.throughput(kernel)
-    fwd_bytes = w.ids * dim * eb + w.bags * dim * lt.output_bytes
-    update = global_rows * (dim * (2 * eb + 4) + 2 * state_row)
-    compute = fwd_bytes / thr.fwd_bytes_per_s + 2 * fwd_bytes / thr.bwd_bytes_per_s
-    compute += 2 * local_rows * dim * 4 / topo.memory_bw  # aggregate the touched rows
-    compute += update / topo.throughput(SPARSE_UPDATE).bwd_bytes_per_s
+    fwd_bytes = w.ids * dim * eb + w.output_rows * dim * lt.output_bytes
+    compute = _forward_s(thr, fwd_bytes, local_rows * dim * eb)
+    compute += 2 * fwd_bytes / thr.bwd_bytes_per_s
+    compute += 2 * n * local_rows * dim * 4 / topo.memory_bw  # sum the gathered rows
+    compute += _update_s(_update_bytes(global_rows, dim, eb, state_row), model)
+    compute *= compute_scale(ShardingType.DATA_PARALLEL, model)
     chunk = local_rows * (dim * 4 + _ID_BYTES)
-    comms = _spread(2 * n * chunk, topo)
+    comms = _spread(2 * n * chunk, topo) + table_overhead(ShardingType.DATA_PARALLEL, model)
     table_bytes = rows * (dim * eb + state_row)
-    buffers = w.ids * lt.id_bytes + 2 * w.bags * dim * lt.output_bytes + n * chunk
+    buffers = w.ids * lt.id_bytes + 2 * w.output_rows * dim * lt.output_bytes + n * chunk
     storage, host = _split_storage(kernel, table_bytes, buffers, lt, model)
     return Cost(compute, comms, storage, host)
 
 
 def collective_overhead(sharding_type: ShardingType, model: CostModel) -> Cost:
-    """Latency of the collectives that using ``sharding_type`` at all adds to every rank."""
+    """What using ``sharding_type`` at all adds to every rank per step.
+
+    The calibrated :class:`~embshard_dist.planner.topology.ShardingOverhead` ``step_s`` when the
+    topology has one, else the latency of the type's collectives.
+    """
     if model.topology.world_size == 1:
         return ZERO
+    measured = model.topology.overhead(sharding_type)
+    if measured is not None:
+        return Cost(0.0, measured.step_s, 0, 0)
     count = (
         _COLLECTIVES_DATA_PARALLEL
         if sharding_type is ShardingType.DATA_PARALLEL
         else _COLLECTIVES_PER_TYPE
     )
     return Cost(0.0, count * model.topology.collective_latency_s, 0, 0)
+
+
+def compute_scale(sharding_type: ShardingType, model: CostModel) -> float:
+    """The calibrated factor on the compute time of ``sharding_type``'s shards (1 without)."""
+    measured = model.topology.overhead(sharding_type)
+    return 1.0 if measured is None or model.topology.world_size == 1 else measured.compute_scale
+
+
+def table_overhead(sharding_type: ShardingType, model: CostModel) -> float:
+    """Seconds each table of ``sharding_type`` adds to every rank per step beyond its bytes
+    (the calibrated ``per_table_s``; 0 without a calibration)."""
+    if model.topology.world_size == 1:
+        return 0.0
+    measured = model.topology.overhead(sharding_type)
+    return 0.0 if measured is None else measured.per_table_s
 
 
 def _column_blocks(ps: ParameterSharding) -> int:

@@ -1,7 +1,8 @@
 """Every way each table can be sharded on the device, with what each piece of it costs.
 
 For every table, every sharding type the sharder offers on the device (and the table's
-constraints allow) is enumerated with every allowed kernel, on the CPU as on CUDA: data-parallel,
+constraints allow) is enumerated with every allowed kernel (the ``dense`` and ``quant`` kernels only
+when the table's constraints list them), on the CPU as on CUDA: data-parallel,
 table-wise, row-wise, column-wise (2, 4, 8... blocks, up to the world size), table-row-wise,
 table-column-wise and grid. Each :class:`ShardingOption` says what it costs as
 
@@ -16,7 +17,8 @@ use) and costs from :mod:`embshard_dist.planner.estimate`, so :meth:`ShardingOpt
 the ``ParameterSharding`` whose estimate is exactly what the partitioner balanced.
 
 Sharders are duck-typed (:class:`ShardingCapabilities`). Without one, the planner uses
-embshard's ``EmbeddingBagCollectionSharder`` when it is installed, else
+embshard's ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder`` when they are
+installed, else
 :class:`DefaultCapabilities` (all seven types, the device's training kernels).
 
 Guarantees: options come out in a fixed order (types in :data:`SHARDING_TYPE_ORDER`, kernels
@@ -70,7 +72,9 @@ SHARDING_TYPE_ORDER = (
 )
 """The order options are tried in (earlier wins ties)."""
 
-_INFERENCE_ONLY = (ComputeKernel.QUANT,)
+_ONLY_WHEN_ASKED = (ComputeKernel.QUANT, ComputeKernel.DENSE)
+"""Kernels a table gets only when its constraints list them: ``quant`` is inference-only, and
+``dense`` tables are not trained by the embedding optimizer (they need a dense optimizer)."""
 
 
 @runtime_checkable
@@ -112,15 +116,14 @@ class DefaultCapabilities:
 
 
 def default_sharders() -> list[ShardingCapabilities]:
-    """embshard's ``EmbeddingBagCollectionSharder`` if installed, else ``DefaultCapabilities``."""
+    """embshard's ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder`` if
+    installed, else ``DefaultCapabilities``."""
     try:
-        from embshard_dist.sharders.embedding_bag import (  # type: ignore[import-not-found,unused-ignore]
-            EmbeddingBagCollectionSharder,
-        )
+        from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
+        from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
     except ImportError:
         return [DefaultCapabilities()]
-    sharder: ShardingCapabilities = EmbeddingBagCollectionSharder()
-    return [sharder]
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
 
 
 @dataclass(frozen=True)
@@ -251,7 +254,7 @@ def _kernels(
 ) -> list[ComputeKernel]:
     offered = [ComputeKernel.parse(k) for k in sharder.compute_kernels(kind, device)]
     wanted = lt.constraints.compute_kernels
-    kernels = [k for k in offered if (k in wanted if wanted else k not in _INFERENCE_ONLY)]
+    kernels = [k for k in offered if (k in wanted if wanted else k not in _ONLY_WHEN_ASKED)]
     kernels = list(dict.fromkeys(kernels))
     kernels.sort(key=lambda k: k is not ComputeKernel.FUSED)
     return kernels

@@ -1,8 +1,12 @@
-"""The default sharding plan: table bytes balanced greedily across ranks.
+"""A rule-based sharding plan: table bytes balanced greedily across ranks.
 
-``SimplePlanner`` places every table of every shardable module of a model. What it balances is
-the bytes each rank holds: a table's weights plus its optimizer state (one value per element
-for point-wise states such as Adam's, one per row for row-wise states such as RowWiseAdagrad's).
+``SimplePlanner`` places every table of every shardable module of a model by fixed rules, with
+no cost model: it writes the plan a user asks for (one sharding type for all tables, or one per
+table) in a deterministic layout. (The default plan of ``DistributedModelParallel`` and
+``embshard train`` is the cost-based planner's: :mod:`embshard_dist.planner.auto`.) What it
+balances is the bytes each rank holds: a table's weights plus its optimizer state (one value per
+element for point-wise states such as Adam's, one per row for row-wise states such as
+RowWiseAdagrad's).
 
 How a table is split is table-wise unless asked otherwise, one sharding type for all tables, a
 type per table (``{"t1": "row_wise", ...}``; keys are table names, or ``"path.table"`` to pick
@@ -82,7 +86,7 @@ class _Table:
 
 
 class SimplePlanner(ShardingPlanner):
-    """The default planner (see the module docstring for the rules).
+    """A rule-based planner (see the module docstring for the rules).
 
     Args:
         world_size: the number of ranks to shard over.

@@ -12,7 +12,7 @@ Format (YAML has the same structure; it is read only when PyYAML is installed)::
          "features": ["f0"],                # default [name]
          "data_type": "fp32", "pooling": "sum", "weighted": false, "module": "...",
          # any ParameterConstraints field: sharding_types, compute_kernels, min_partition,
-         # num_poolings, batch_sizes, cache_params, enforce_hbm, ranks, ...
+         # num_poolings, batch_sizes, cache_params, enforce_hbm, ranks, zipf_exponent, ...
         }
       ]
     }

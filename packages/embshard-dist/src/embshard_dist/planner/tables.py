@@ -1,10 +1,11 @@
 """The tables a planner places: found in a model, or given as a list of table configs.
 
 A :class:`PlannerTable` is what the planner knows of one table: the path of the module that
-holds it, its name, shape, storage type, pooling, features and whether its inputs carry
-weights. :func:`find_tables` builds them from a model (every
-``embshard_kernels.collections.EmbeddingBagCollection`` in ``named_modules()`` order, by
-path; modules inside a found one are skipped) or from a list of configs.
+holds it, its name, shape, storage type, pooling (``none`` for a sequence table, whose every id
+is an output row), features and whether its inputs carry weights. :func:`find_tables` builds
+them from a model (every ``embshard_kernels.collections.EmbeddingBagCollection`` and
+``EmbeddingCollection`` in ``named_modules()`` order, by path; modules inside a found one are
+skipped) or from a list of configs.
 
 Guarantees: the order of the tables is deterministic (module order, then config order); two
 tables with the same ``(path, name)`` raise ``ValueError`` naming them; :func:`qualified_name`
@@ -48,7 +49,7 @@ class PlannerTable:
         path: the path of the module holding it (``""``: the root).
         features: the features that read it (default: the table's name).
         data_type: storage type of the weights.
-        pooling: how bags are pooled.
+        pooling: how bags are pooled (``none``: a sequence table, one output row per id).
         is_weighted: whether its inputs carry per-id weights.
     """
 
@@ -88,6 +89,11 @@ class PlannerTable:
         return qualified_name(self.path, self.name)
 
     @property
+    def sequence(self) -> bool:
+        """Whether every id is an output row (a sequence table, pooling ``none``)."""
+        return self.pooling is PoolingType.NONE
+
+    @property
     def element_bytes(self) -> float:
         """Bytes per stored weight element (``0.5`` for INT4)."""
         return self.data_type.bits / 8
@@ -116,18 +122,22 @@ class PlannerTable:
 
 
 def _pooling_of(config: BaseEmbeddingConfig) -> PoolingType:
-    pooling = getattr(config, "pooling", PoolingType.SUM)
-    return PoolingType.SUM if pooling is PoolingType.NONE else PoolingType.parse(pooling)
+    return PoolingType.parse(getattr(config, "pooling", PoolingType.SUM))
 
 
 TableSource = nn.Module | Sequence[PlannerTable | BaseEmbeddingConfig | tuple[str, Any]]
 """A model, or a list of ``PlannerTable`` / table configs / ``(module path, config)`` pairs."""
 
 
-def _collection_type() -> type[nn.Module]:
-    from embshard_kernels.collections import EmbeddingBagCollection
+def _collection_types() -> tuple[type[nn.Module], ...]:
+    from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 
-    return EmbeddingBagCollection
+    return (EmbeddingBagCollection, EmbeddingCollection)
+
+
+def _configs(module: nn.Module) -> Iterable[BaseEmbeddingConfig]:
+    getter = getattr(module, "embedding_bag_configs", None) or module.embedding_configs
+    return getter()  # type: ignore[operator]
 
 
 def _is_weighted(module: nn.Module) -> bool:
@@ -136,13 +146,16 @@ def _is_weighted(module: nn.Module) -> bool:
 
 
 def find_collections(model: nn.Module) -> dict[str, nn.Module]:
-    """Module path -> every ``EmbeddingBagCollection`` of ``model`` (not nested in another)."""
-    ebc = _collection_type()
+    """Module path -> every embedding collection of ``model`` (not nested in another one).
+
+    Collections are embshard's ``EmbeddingBagCollection`` and ``EmbeddingCollection``.
+    """
+    kinds = _collection_types()
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         if any(p == "" or path.startswith(p + ".") for p in found):
             continue
-        if isinstance(module, ebc):
+        if isinstance(module, kinds):
             found[path] = module
     return found
 
@@ -151,8 +164,9 @@ def find_tables(source: TableSource) -> list[PlannerTable]:
     """The tables of a model or of a list of configs.
 
     Args:
-        source: a model (walked for ``EmbeddingBagCollection`` instances), or a list of
-            ``PlannerTable``, table configs (module path ``""``) or ``(path, config)`` pairs.
+        source: a model (walked for ``EmbeddingBagCollection`` and ``EmbeddingCollection``
+            instances), or a list of ``PlannerTable``, table configs (module path ``""``) or
+            ``(path, config)`` pairs.
 
     Raises:
         ValueError: no tables, or two tables with the same qualified name.
@@ -161,14 +175,15 @@ def find_tables(source: TableSource) -> list[PlannerTable]:
     tables: list[PlannerTable] = []
     if isinstance(source, nn.Module):
         for path, module in find_collections(source).items():
-            configs: Iterable[BaseEmbeddingConfig] = module.embedding_bag_configs()  # type: ignore[operator]
             weighted = _is_weighted(module)
-            tables.extend(PlannerTable.from_config(c, path, is_weighted=weighted) for c in configs)
+            tables.extend(
+                PlannerTable.from_config(c, path, is_weighted=weighted) for c in _configs(module)
+            )
         if not tables:
             raise ValueError(
-                f"found no EmbeddingBagCollection in {type(source).__name__}; the planner "
-                "places the tables of embshard_kernels.collections.EmbeddingBagCollection "
-                "modules (or pass a list of table configs)"
+                f"found no embedding collection in {type(source).__name__}; the planner "
+                "places the tables of embshard_kernels.collections.EmbeddingBagCollection and "
+                "EmbeddingCollection modules (or pass a list of table configs)"
             )
     else:
         for i, entry in enumerate(source):

@@ -3,8 +3,10 @@
 A :class:`Topology` holds what the planner's estimators read: the world size and ranks per node,
 the compute device, the memory each rank may use (device memory; on CUDA also host memory for
 UVM tables), the memory bandwidth, the per-rank bandwidths of collectives within and across
-nodes, the fixed latency of one collective, and the throughput of each compute kernel's lookup
-forward and backward (:class:`KernelThroughput`).
+nodes, the fixed latency of one collective, the throughput of each compute kernel's lookup
+forward, backward and fused update (:class:`KernelThroughput`), and what each sharding type
+costs per step and per table beyond the bytes it moves (:class:`ShardingOverhead`: latency of
+its collectives and per-call work, measured by the calibration).
 
 Where the numbers come from, best first: a topology file written by ``embshard calibrate``
 (measured on the machine at hand, see :mod:`embshard_dist.planner.calibrate`), then the
@@ -32,18 +34,21 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from embshard_types.vocab import ComputeKernel
+from embshard_types.vocab import ComputeKernel, ShardingType
 
 __all__ = [
     "SPARSE_UPDATE",
     "TOPOLOGY_FORMAT_VERSION",
     "KernelThroughput",
+    "ShardingOverhead",
     "Topology",
     "default_topology",
 ]
 
-TOPOLOGY_FORMAT_VERSION = 1
-"""Version of the dict / JSON format ``Topology.to_dict`` writes."""
+TOPOLOGY_FORMAT_VERSION = 2
+"""Version of the dict / JSON format ``Topology.to_dict`` writes (2 added kernels'
+``update_bytes_per_s`` and ``miss_bytes_per_s`` and ``sharding_overheads``; version 1 files
+read as before)."""
 
 SPARSE_UPDATE = "sparse_update"
 """Key of ``Topology.kernels`` for embshard's plain-torch sparse update rules (data-parallel
@@ -58,31 +63,99 @@ class KernelThroughput:
 
     Args:
         fwd_bytes_per_s: forward lookup: bytes of rows read plus pooled output written, per
-            second.
-        bwd_bytes_per_s: backward with the fused update: twice the forward's bytes (plus
-            optimizer state bytes) per second, as FBGEMM's own benchmark counts it.
+            second (with ``miss_bytes_per_s`` set: as fast as when the rows are in cache).
+        bwd_bytes_per_s: backward: twice the forward's bytes per second, as FBGEMM's own
+            benchmark counts it (with ``update_bytes_per_s`` unset, the optimizer state bytes
+            of the fused update count here too).
+        update_bytes_per_s: the fused update of the touched rows: per touched row, its weights
+            and gradient read and written plus its optimizer state, per second (``None``: the
+            update is counted in ``bwd_bytes_per_s``).
+        miss_bytes_per_s: the forward's first read of each distinct row a step touches, on top
+            of ``fwd_bytes_per_s`` (rows fetched from memory rather than cache; ``None``:
+            every read costs the same).
     """
 
     fwd_bytes_per_s: float
     bwd_bytes_per_s: float
+    update_bytes_per_s: float | None = None
+    miss_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_positive(f"KernelThroughput.{f.name}", getattr(self, f.name))
-            object.__setattr__(self, f.name, float(getattr(self, f.name)))
+            value = getattr(self, f.name)
+            if value is None and f.name in _OPTIONAL_THROUGHPUTS:
+                continue
+            _check_positive(f"KernelThroughput.{f.name}", value)
+            object.__setattr__(self, f.name, float(value))
 
     def to_dict(self) -> dict[str, float]:
-        """The two throughputs as a JSON-ready dict."""
-        return {"fwd_bytes_per_s": self.fwd_bytes_per_s, "bwd_bytes_per_s": self.bwd_bytes_per_s}
+        """The throughputs as a JSON-ready dict (the optional ones only when set)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], what: str = "kernel") -> KernelThroughput:
         """Inverse of ``to_dict``."""
-        _check_keys(data, ("fwd_bytes_per_s", "bwd_bytes_per_s"), f"topology {what}")
+        _check_keys(data, tuple(f.name for f in fields(cls)), f"topology {what}")
         try:
-            return cls(data["fwd_bytes_per_s"], data["bwd_bytes_per_s"])
+            return cls(
+                data["fwd_bytes_per_s"],
+                data["bwd_bytes_per_s"],
+                data.get("update_bytes_per_s"),
+                data.get("miss_bytes_per_s"),
+            )
         except KeyError as e:
             raise ValueError(f"topology {what} lacks field {e.args[0]!r}") from None
+
+
+_OPTIONAL_THROUGHPUTS = ("update_bytes_per_s", "miss_bytes_per_s")
+
+
+@dataclass(frozen=True)
+class ShardingOverhead:
+    """What using one sharding type costs every rank beyond what the bytes predict.
+
+    Measured by the calibration (see :mod:`embshard_dist.planner.calibrate_ranks`): the latency
+    of the type's collectives and its per-call work on tiny tables, and how much slower (or
+    faster) its lookups and updates run than the kernel throughputs predict (its code path:
+    per-table kernels, row reductions, row exchanges...).
+
+    Args:
+        step_s: seconds per step for using the type at all.
+        per_table_s: seconds per step for each table of that type.
+        compute_scale: factor on the lookup, backward and update time of its shards.
+    """
+
+    step_s: float
+    per_table_s: float = 0.0
+    compute_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+                or (f.name == "compute_scale" and value == 0)
+            ):
+                raise ValueError(
+                    f"ShardingOverhead.{f.name} must be a non-negative finite number "
+                    f"(compute_scale positive), got {value!r}"
+                )
+            object.__setattr__(self, f.name, float(value))
+
+    def to_dict(self) -> dict[str, float]:
+        """The figures as a JSON-ready dict."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], what: str) -> ShardingOverhead:
+        """Inverse of ``to_dict`` (a missing ``compute_scale`` is 1, ``per_table_s`` 0)."""
+        _check_keys(data, tuple(f.name for f in fields(cls)), f"topology {what}")
+        if "step_s" not in data:
+            raise ValueError(f"topology {what} lacks field 'step_s'")
+        return cls(data["step_s"], data.get("per_table_s", 0.0), data.get("compute_scale", 1.0))
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -101,6 +174,22 @@ def _check_keys(data: Any, allowed: tuple[str, ...], what: str) -> None:
     unknown = sorted(str(k) for k in data if k not in allowed)
     if unknown:
         raise ValueError(f"{what} has unknown field(s) {unknown}; known: {sorted(allowed)}")
+
+
+def _overheads(data: Any) -> MappingProxyType[str, ShardingOverhead]:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"Topology.sharding_overheads must be a mapping, got {data!r}")
+    out: dict[str, ShardingOverhead] = {}
+    for key, value in data.items():
+        kind = ShardingType.parse(key, what="topology sharding_overheads").value
+        if isinstance(value, Mapping):
+            value = ShardingOverhead.from_dict(value, what=f"sharding overhead {kind!r}")
+        if not isinstance(value, ShardingOverhead):
+            raise TypeError(
+                f"Topology.sharding_overheads[{kind!r}] must be a ShardingOverhead, got {value!r}"
+            )
+        out[kind] = value
+    return MappingProxyType(out)
 
 
 def _kernel_key(key: ComputeKernel | str) -> str:
@@ -133,6 +222,9 @@ class Topology:
         collective_latency_s: fixed cost of one collective call.
         kernels: throughput per compute kernel value (``"fused"``, ``"dense"``...) and for
             :data:`SPARSE_UPDATE`; a kernel missing here falls back to ``"fused"``.
+        sharding_overheads: per sharding type value, what using it costs beyond its bytes
+            (measured by the calibration); a type missing here costs
+            ``collective_latency_s`` per collective it issues.
         source: where the numbers come from (``"defaults"``, or the calibration's host/date).
     """
 
@@ -148,6 +240,9 @@ class Topology:
     collective_latency_s: float = 2e-4
     kernels: Mapping[str, KernelThroughput] = field(
         default_factory=lambda: MappingProxyType(dict(_CPU_KERNELS)), hash=False
+    )
+    sharding_overheads: Mapping[str, ShardingOverhead] = field(
+        default_factory=lambda: MappingProxyType({}), hash=False
     )
     source: str = "defaults"
 
@@ -200,6 +295,7 @@ class Topology:
                 "Topology.kernels needs an entry for 'fused' (the fallback of every kernel)"
             )
         object.__setattr__(self, "kernels", MappingProxyType(kernels))
+        object.__setattr__(self, "sharding_overheads", _overheads(self.sharding_overheads))
         if not isinstance(self.source, str):
             raise TypeError(f"Topology.source must be a str, got {self.source!r}")
 
@@ -233,6 +329,10 @@ class Topology:
             key = ComputeKernel.FUSED.value
         return self.kernels.get(key) or self.kernels[ComputeKernel.FUSED.value]
 
+    def overhead(self, sharding_type: ShardingType | str) -> ShardingOverhead | None:
+        """The calibrated overhead of ``sharding_type``, or ``None`` when it was not measured."""
+        return self.sharding_overheads.get(ShardingType.parse(sharding_type).value)
+
     def with_world(self, world_size: int, local_world_size: int | None = None) -> Topology:
         """The same machine speeds for another number of ranks.
 
@@ -250,7 +350,9 @@ class Topology:
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = (
-                {k: v.to_dict() for k, v in sorted(value.items())} if f.name == "kernels" else value
+                {k: v.to_dict() for k, v in sorted(value.items())}
+                if f.name in ("kernels", "sharding_overheads")
+                else value
             )
         return out
 
@@ -315,12 +417,31 @@ class Topology:
 
 
 _CPU_KERNELS: dict[str, KernelThroughput] = {
-    # Measured on the 2-core reference host (see shared/benchmarks.md, K1): FBGEMM's CPU TBE
-    # forward runs at ~45% of the ~11 GB/s copy bandwidth; backward + fused update at ~16%.
+    # Generic CPU figures (K1, shared/benchmarks.md): FBGEMM's CPU TBE forward at ~45% of the
+    # ~11 GB/s copy bandwidth, backward + fused update at ~16%.
     ComputeKernel.FUSED.value: KernelThroughput(5.0e9, 1.8e9),
     ComputeKernel.DENSE.value: KernelThroughput(5.0e9, 1.2e9),
     ComputeKernel.QUANT.value: KernelThroughput(4.0e9, 1.0e9),
     SPARSE_UPDATE: KernelThroughput(1.5e9, 0.45e9),
+}
+
+_REFERENCE_CPU_KERNELS: dict[str, KernelThroughput] = {
+    **_CPU_KERNELS,
+    # `embshard calibrate` on the 2-core reference host, 2 gloo ranks of 1 thread, other jobs
+    # running (load 3-4; medians of 5 calibrations): embshard's fast pooled path.
+    ComputeKernel.FUSED.value: KernelThroughput(14.4e9, 11.1e9, 5.5e9, 5.4e9),
+    SPARSE_UPDATE: KernelThroughput(1.5e9, 2.0e9),
+}
+
+_REFERENCE_CPU_OVERHEADS: dict[str, ShardingOverhead] = {
+    # The same calibrations: per step and per table seconds, compute scale.
+    "data_parallel": ShardingOverhead(0.006, 0.0001, 1.3),
+    "table_wise": ShardingOverhead(0.0085, 0.0, 0.95),
+    "row_wise": ShardingOverhead(0.0076, 0.0001, 1.05),
+    "column_wise": ShardingOverhead(0.0099, 0.0, 1.35),
+    "table_row_wise": ShardingOverhead(0.0092, 0.0, 1.1),
+    "table_column_wise": ShardingOverhead(0.0104, 0.0001, 1.3),
+    "grid_shard": ShardingOverhead(0.0078, 0.0002, 1.05),
 }
 
 _CUDA_KERNELS: dict[str, KernelThroughput] = {
@@ -352,7 +473,8 @@ def default_topology(
     """The fallback topology when no calibration file is given.
 
     On the CPU every rank of a node shares the host's memory (read from the OS) and the speeds
-    are those measured once on the 2-core reference host. On CUDA the device memory is read from
+    are those ``embshard calibrate`` measured on the 2-core reference host while other jobs ran
+    (calibrate on the machine at hand for figures of its own). On CUDA the device memory is read from
     the first GPU when one is visible (80 GiB otherwise), host memory is shared as on the CPU,
     and the speeds are typical of a current GPU with NVLink within a node.
 
@@ -384,7 +506,14 @@ def default_topology(
         compute_device=compute_device,
         local_world_size=local_world_size,
         memory_per_rank=memory_per_rank or host_share,
-        source="defaults (2-core CPU reference host)",
+        memory_bw=9.0e9,
+        intra_node_bw=0.91e9,
+        inter_node_bw=0.91e9,
+        reduce_scatter_bw=0.52e9,
+        collective_latency_s=1.5e-3,
+        kernels=MappingProxyType(dict(_REFERENCE_CPU_KERNELS)),
+        sharding_overheads=MappingProxyType(dict(_REFERENCE_CPU_OVERHEADS)),
+        source="defaults (2-core CPU reference host, calibrated with other jobs running)",
     )
 
 
