@@ -7,7 +7,8 @@
   imported.
 - ``dist_tests``: the multi-process tests under ``tests/`` (real processes, gloo, CPU).
 - ``gpu_tests``: the same suite on CUDA / NCCL; skips (exit 0) with a message where CUDA is absent.
-- ``bench``, ``asv``, ``asv_compare``: the benchmark suites under ``benchmarks/``.
+- ``bench``, ``asv``, ``asv_compare``: the benchmark suites under ``benchmarks/``;
+- ``compare``, ``plan_quality``: embshard beside TorchRec 1.8.0 (W1, W2; the planners).
 
 ``nox`` with no arguments runs lint, tests and dist_tests. Every environment is synced from
 ``uv.lock`` (``--frozen``), so sessions see exactly the locked versions.
@@ -158,16 +159,8 @@ def asv_compare(session: nox.Session) -> None:
     session.run("python", "benchmarks/asv_history.py", "compare", "--quick", *session.posargs)
 
 
-@nox.session
-def compare(session: nox.Session) -> None:
-    """embshard vs TorchRec side by side (W1, W2, every sharding type, a mixed plan).
-
-    TorchRec 1.8.0 declares the CUDA ``fbgemm-gpu``, which must never sit beside
-    ``fbgemm-gpu-cpu``: it is installed with ``--no-deps``, plus the packages ``import torchrec``
-    actually loads (tensordict, tqdm, pyre-extensions) and matplotlib for the chart. Results go
-    to ``benchmarks/results/compare/``. Arguments go to the driver, e.g.
-    ``nox -s compare -- --workload W1 --quick``.
-    """
+def _with_torchrec(session: nox.Session) -> None:
+    """Sync embshard, then add TorchRec 1.8.0 without its CUDA FBGEMM (checked)."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "bench")
     session.install("--no-deps", "torchrec==1.8.0")
     session.install("tensordict==0.15.3", "pyre-extensions==0.0.32", "tqdm", "matplotlib")
@@ -185,7 +178,33 @@ def compare(session: nox.Session) -> None:
         "print('torch', torch.__version__, 'fbgemm-gpu-cpu', fbgemm_gpu.__version__, "
         "'torchrec', m.version('torchrec'))",
     )
+
+
+@nox.session
+def compare(session: nox.Session) -> None:
+    """embshard vs TorchRec side by side (W1, W2, every sharding type, a mixed plan).
+
+    TorchRec 1.8.0 declares the CUDA ``fbgemm-gpu``, which must never sit beside
+    ``fbgemm-gpu-cpu``: it is installed with ``--no-deps``, plus the packages ``import torchrec``
+    actually loads (tensordict, tqdm, pyre-extensions) and matplotlib for the chart. Results go
+    to ``benchmarks/results/compare/``. Arguments go to the driver, e.g.
+    ``nox -s compare -- --workload W1 --quick``.
+    """
+    _with_torchrec(session)
     if "--help" not in session.posargs:
         # import cost side by side (fresh interpreters): embshard_dist vs torchrec
         session.run("python", "benchmarks/import_time.py", "--torchrec", "--repeat", "5")
     session.run("python", "-m", "benchmarks.compare.run", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def plan_quality(session: nox.Session) -> None:
+    """The planner against measurements, in the compare session's environment: predicted vs
+    measured step time per plan (W1, W2) and embshard's plan vs TorchRec's planner's plan, both
+    executed by embshard in the same processes. Arguments go to the driver, e.g.
+    ``nox -s plan_quality -- --workload W2 --steps 20``. Run ``nox -s compare -- --help`` once
+    first to build that environment."""
+    python = Path(".nox/compare/bin/python")
+    if not python.exists():
+        session.error("run `uv run nox -s compare -- --help` first: it builds the environment")
+    session.run(str(python), "-m", "benchmarks.plan_quality.run", *session.posargs)
