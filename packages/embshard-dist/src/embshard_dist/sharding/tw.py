@@ -3,7 +3,8 @@
 Flow: the input dist sends every feature to the rank holding its table (one permutation of the
 caller's KJT, then a KJT all-to-all); that rank looks the global batch up in its grouped
 kernels; the output dist divides the gradient by the world size and returns each rank's rows
-with a pooled-embeddings all-to-all.
+with a pooled-embeddings all-to-all, which puts the features in the collection's order as it
+assembles what arrives (one copy).
 
 Math: every row lives on one rank, and all ids that touch it (the global batch, in rank
 order) meet in one kernel backward, so the fused optimizer (FBGEMM's or embshard's) applies
@@ -50,8 +51,9 @@ class TwSharding:
         self._feature_tables = {f: t.name for t in self._tables for f in t.config.feature_names}
 
     def feature_names(self) -> list[str]:
-        """Features in output order: rank by rank, each rank's in its kernels' order."""
-        return [f for features in self._wire for f in features]
+        """Features in output order: the collection's order (the output dist puts the received
+        blocks in that order while assembling them, so the collection needs no reorder)."""
+        return [f for t in self._tables for f in t.config.feature_names]
 
     def embedding_dims(self) -> list[int]:
         return [self._dims[f] for f in self.feature_names()]
@@ -78,9 +80,19 @@ class TwSharding:
     def create_lookup(self) -> GroupedBagLookup:
         return GroupedBagLookup(self._per_rank[self._options.rank], self._options)
 
+    def _columns(self) -> list[int]:
+        """Received column of each output column (received: rank by rank, in kernel order)."""
+        start: dict[str, int] = {}
+        at = 0
+        for feature in (f for features in self._wire for f in features):
+            start[feature] = at
+            at += self._dims[feature]
+        return [start[f] + j for f in self.feature_names() for j in range(self._dims[f])]
+
     def create_output_dist(self) -> nn.Module:
         return PooledOutputDist(
             self._options.pg,
             [sum(self._dims[f] for f in features) for features in self._wire],
+            columns=self._columns(),
             codecs=self._options.codecs(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL),
         )
