@@ -77,6 +77,33 @@ def _keys_checksum(keys: Sequence[str], splits: Sequence[int]) -> int:
     return zlib.crc32(text.encode())
 
 
+def _split_combined(
+    data: Tensor, strides: list[list[int]], counts: list[list[int]]
+) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+    """Per source, per key: its lengths and its ids, out of one message per source."""
+    sizes = []
+    for per_stride, per_count in zip(strides, counts, strict=True):
+        sizes.extend(per_stride)
+        sizes.extend(per_count)
+    chunks = data.split(sizes)
+    lengths: list[list[Tensor]] = []
+    values: list[list[Tensor]] = []
+    at = 0
+    for per_stride, per_count in zip(strides, counts, strict=True):
+        lengths.append(list(chunks[at : at + len(per_stride)]))
+        at += len(per_stride)
+        values.append(list(chunks[at : at + len(per_count)]))
+        at += len(per_count)
+    return lengths, values
+
+
+def _to_key_major_parts(parts: list[list[Tensor]], order: list[int], like: Tensor) -> Tensor:
+    """``parts[source][key]`` concatenated key by key, sources in ``order``."""
+    num_keys = len(parts[0]) if parts else 0
+    pieces = [parts[s][k] for k in range(num_keys) for s in order]
+    return torch.cat(pieces) if pieces else like.new_empty(0)
+
+
 def _to_key_major(data: Tensor, sizes: list[list[int]], order: list[int]) -> Tensor:
     """Reorder segments from [source][key] (as received) to [key][source in ``order``]."""
     num_keys = len(sizes[0]) if sizes else 0
@@ -90,7 +117,8 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
     """Phase 2: lengths, values and weights in flight; ``wait()`` returns the received KJT.
 
     Args:
-        pending: the issued collectives (lengths, values, then weights if any).
+        pending: the issued collectives (lengths, values, then weights if any; or, when
+            ``combined``, one for lengths and values, then weights if any).
         buffers: their receive buffers, in the same order.
         keys: this rank's keys.
         strides: ``strides[s][k]``: batch size of key ``k`` sent by source ``s``.
@@ -98,6 +126,7 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         order: source order for the result (see ``source_order``).
         variable_stride: whether some source had a variable stride per key.
         source_strides: each source's ``stride()``.
+        combined: whether each source sent its lengths then its ids in one message.
     """
 
     def __init__(
@@ -110,8 +139,10 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         order: list[int],
         variable_stride: bool,
         source_strides: list[int],
+        combined: bool = False,
     ) -> None:
         super().__init__()
+        self._combined = combined
         self._pending = pending
         self._buffers = buffers
         self._keys = keys
@@ -127,13 +158,16 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             return self._result
         for p in self._pending:
             p.wait()
-        lengths = _to_key_major(self._buffers[0], self._strides, self._order)
-        values = _to_key_major(self._buffers[1], self._counts, self._order)
-        weights = (
-            _to_key_major(self._buffers[2], self._counts, self._order)
-            if len(self._buffers) > 2
-            else None
-        )
+        buffers = list(self._buffers)
+        if self._combined:
+            data = buffers.pop(0)
+            length_parts, value_parts = _split_combined(data, self._strides, self._counts)
+            lengths = _to_key_major_parts(length_parts, self._order, data)
+            values = _to_key_major_parts(value_parts, self._order, data)
+        else:
+            lengths = _to_key_major(buffers.pop(0), self._strides, self._order)
+            values = _to_key_major(buffers.pop(0), self._counts, self._order)
+        weights = _to_key_major(buffers[0], self._counts, self._order) if buffers else None
         per_key = range(len(self._keys))
         length_per_key = [sum(c[k] for c in self._counts) for k in per_key]
         if self._variable_stride:
@@ -206,13 +240,10 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         send_values = [sum(length_per_key[lo:hi]) for lo, hi in self._ranges]
         recv_lengths = [sum(s) for s in strides]
         recv_values = [sum(c) for c in counts]
-        tensors = [("lengths", kjt.lengths(), send_lengths, recv_lengths)]
-        tensors.append(("values", kjt.values(), send_values, recv_values))
-        weights = kjt.weights_or_none()
-        if weights is not None:
-            tensors.append(("weights", weights, send_values, recv_values))
+        lengths, values = kjt.lengths(), kjt.values()
         pending, buffers = [], []
-        for what, send, send_sizes, recv_sizes in tensors:
+
+        def start(what: str, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> None:
             send = send.contiguous()
             recv = send.new_empty(sum(recv_sizes))
             pending.append(
@@ -225,6 +256,27 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
                 )
             )
             buffers.append(recv)
+
+        if lengths.dtype == values.dtype:
+            # one collective: each peer's lengths followed by its ids
+            length_bounds = [0, *itertools.accumulate(send_lengths)]
+            value_bounds = [0, *itertools.accumulate(send_values)]
+            pieces = []
+            for r in range(world):
+                pieces.append(lengths[length_bounds[r] : length_bounds[r + 1]])
+                pieces.append(values[value_bounds[r] : value_bounds[r + 1]])
+            start(
+                "lengths_and_values",
+                torch.cat(pieces),
+                [n + m for n, m in zip(send_lengths, send_values, strict=True)],
+                [n + m for n, m in zip(recv_lengths, recv_values, strict=True)],
+            )
+        else:
+            start("lengths", lengths, send_lengths, recv_lengths)
+            start("values", values, send_values, recv_values)
+        weights = kjt.weights_or_none()
+        if weights is not None:
+            start("weights", weights, send_values, recv_values)
         return KJTAllToAllTensorsAwaitable(
             pending=pending,
             buffers=buffers,
@@ -234,6 +286,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             order=self._order,
             variable_stride=any(row[_VBE] for row in rows),
             source_strides=[row[_STRIDE] for row in rows],
+            combined=lengths.dtype == values.dtype,
         )
 
 
