@@ -169,3 +169,25 @@ def test_table_runs_group_consecutive_tables_of_one_width() -> None:
     ]
     with pytest.raises(ValueError, match="table by table"):
         table_runs(shapes, starts, [1, 0, 2, 3, 4])
+
+
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("sum", True), ("mean", False)])
+@pytest.mark.parametrize("one_run", [False, True], ids=["two_runs", "one_run"])
+def test_backward_prepared_during_the_forward_trains_alike(
+    pooling: str, weighted: bool, one_run: bool
+) -> None:
+    spec = SPECS["rowwise_adagrad"]
+    prepared = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted, one_run), backend="torch")
+    plain = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted, one_run), backend="torch")
+    plain.load_state_dict(prepared.state_dict())
+    tbe = prepared.emb_module
+    assert isinstance(tbe, TorchFusedTBE)
+    for step in range(3):
+        kjt = _kjt(step, weighted)
+        out = prepared(kjt)
+        tbe.prepare_backward()  # as a sharded collection does while its all-to-all flies
+        assert tbe.fast is not None and tbe.fast._prepared is not None
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(step)))
+        assert tbe.fast._prepared is None  # used once, then dropped
+        _train(plain, kjt, step)
+    assert bit_identical(prepared.split_embedding_weights(), plain.split_embedding_weights())

@@ -152,6 +152,24 @@ class SharedRowSums:
     full_dims: tuple[int, ...]
 
 
+class RowPlan(NamedTuple):
+    """A run's sparse ``[distinct rows x bags]`` pattern (see ``FastPooledPath._plan``).
+
+    Attributes:
+        rows: the distinct rows, sorted (int64).
+        crow: CSR row pointers.
+        bags: CSR column indices: the bag of each id, grouped by row.
+        values: CSR values: 1, the id's weight, or either over the bag's length (MEAN).
+        sample_major_features: how bags are numbered (0: feature-major).
+    """
+
+    rows: Tensor
+    crow: Tensor
+    bags: Tensor
+    values: Tensor
+    sample_major_features: int
+
+
 class RunBatch(NamedTuple):
     """One run's part of a call: its ids as rows of the run, its bags and weights.
 
@@ -185,6 +203,7 @@ class FastPooledPath:
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
         self._buffers = [torch.empty(0) for _ in self.runs]
+        self._prepared: tuple[list[RunBatch], list[RowPlan | None]] | None = None
         first_rows = [sum(r for r, _ in shapes[:t]) for t in range(len(shapes))]
         self._table_firsts = [
             [first_rows[t] - first_rows[run.tables[0]] for t in run.tables] if run.tables else []
@@ -306,9 +325,9 @@ class FastPooledPath:
         # One run of every feature, one batch size: the gradient [batch, features * width] is,
         # as it is, a [batch * features, width] matrix of bags in sample-major order; the
         # sparse product reads it there instead of from a feature-major copy.
-        sample_major = (
-            len(self.runs) == 1 and layout.batch_per_rank is None and grad_output.dim() == 2
-        )
+        sample_major = bool(self._sample_major_features(layout)) and grad_output.dim() == 2
+        prepared, self._prepared = self._prepared, None
+        plans = prepared[1] if prepared is not None and prepared[0] is batches else None
         grads = (
             []
             if sample_major
@@ -328,7 +347,8 @@ class FastPooledPath:
                 else:
                     bag_grads = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
                 features = 0
-            rows, summed = self._row_sums(bag_grads, batch, i, features)
+            plan = plans[i] if plans is not None else None
+            rows, summed = self._row_sums(bag_grads, batch, i, features, plan)
             if exchange is not None:
                 rows, summed = exchange(self.labels[i], rows, summed, run.rows)
             if rows.numel():
@@ -381,35 +401,39 @@ class FastPooledPath:
         dims = torch.tensor([float(full_dims[t]) for t in run.tables])
         return dims.index_select(0, table)
 
-    def _row_sums(
-        self, bag_grads: Tensor, batch: RunBatch, run: int, sample_major_features: int = 0
-    ) -> tuple[Tensor, Tensor]:
-        """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each.
+    def prepare(self, batches: list[RunBatch], layout: CallLayout) -> None:
+        """Work out, ahead of the backward, everything its sums need from the ids alone.
 
-        The sum is a sparse product: row ``r`` of a CSR matrix ``[rows x bags]`` holds, at the
-        bag of every id that reads ``r``, 1 or the id's weight (MEAN: divided by the bag's
-        length). The result lives in run ``run``'s reused workspace until its next call.
-
-        Args:
-            bag_grads: the gradient of every bag: feature-major, or (``sample_major_features``
-                features) sample-major ``[batch * features, width]``.
-            batch: the run's ids and bags (feature-major).
-            run: the run's index.
-            sample_major_features: 0, or the number of features when ``bag_grads`` is
-                sample-major.
+        Meant to run while something else waits (e.g. the output all-to-all is in flight);
+        :meth:`update` with the same ``batches`` then only multiplies. The plans are kept for
+        the most recent ``batches`` only.
         """
-        n, num_bags = batch.rows.numel(), bag_grads.shape[0]
+        features = self._sample_major_features(layout)
+        self._prepared = (batches, [self._plan(b, features) for b in batches])
+
+    def _sample_major_features(self, layout: CallLayout) -> int:
+        """The features of the one run when the gradient can be read sample-major, else 0."""
+        if len(self.runs) == 1 and layout.batch_per_rank is None:
+            return len(self.runs[0].features)
+        return 0
+
+    def _plan(self, batch: RunBatch, sample_major_features: int) -> RowPlan | None:
+        """The sparse ``[distinct rows x bags]`` pattern of ``batch`` (``None``: no ids).
+
+        Row ``r`` holds, at the bag of every id that reads ``r``, 1 or the id's weight (MEAN:
+        divided by the bag's length); bags are numbered feature-major, or sample-major (bag
+        ``f * B + i`` is ``i * F + f``) when ``sample_major_features`` is ``F`` > 0.
+        """
+        n = batch.rows.numel()
         if n == 0:
-            return batch.rows.new_zeros(0, dtype=torch.int64), bag_grads.new_zeros(
-                0, bag_grads.shape[1]
-            )
+            return None
         keys, order = torch.sort(batch.rows, stable=True)
         unique, counts = torch.unique_consecutive(keys, return_counts=True)
         crow = torch.zeros(unique.numel() + 1, dtype=keys.dtype)
         torch.cumsum(counts, 0, out=crow[1:])
         lengths = batch.offsets.diff()
-        bags = torch.arange(num_bags, dtype=keys.dtype)
-        if sample_major_features:  # bag f * B + i is row i * F + f of the gradient
+        bags = torch.arange(lengths.numel(), dtype=keys.dtype)
+        if sample_major_features:
             bags = bags.view(-1, sample_major_features).t().reshape(-1)
         bag_of_id = torch.repeat_interleave(bags, lengths, output_size=n).index_select(0, order)
         values = None if batch.weights is None else batch.weights.index_select(0, order).float()
@@ -418,18 +442,55 @@ class FastPooledPath:
             scale = torch.repeat_interleave(inverse_lengths, lengths, output_size=n)
             scale = scale.index_select(0, order)
             values = scale if values is None else values.mul_(scale)
-        summed = self._workspace(run, unique.numel(), bag_grads.shape[1])
+        return RowPlan(
+            unique.long(),  # index_add_ is much slower with int32 indices
+            crow,
+            bag_of_id,
+            torch.ones(n) if values is None else values,
+            sample_major_features,
+        )
+
+    def _row_sums(
+        self,
+        bag_grads: Tensor,
+        batch: RunBatch,
+        run: int,
+        sample_major_features: int = 0,
+        plan: RowPlan | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each.
+
+        The sum is the product of the run's sparse pattern (:meth:`_plan`, or ``plan`` when
+        prepared with the same numbering) with the bags' gradients, computed into run
+        ``run``'s reused workspace (valid until its next call).
+
+        Args:
+            bag_grads: the gradient of every bag: feature-major, or (``sample_major_features``
+                features) sample-major ``[batch * features, width]``.
+            batch: the run's ids and bags (feature-major).
+            run: the run's index.
+            sample_major_features: 0, or the number of features when ``bag_grads`` is
+                sample-major.
+            plan: the pattern, if already worked out.
+        """
+        if plan is None or plan.sample_major_features != sample_major_features:
+            plan = self._plan(batch, sample_major_features)
+        if plan is None:
+            return batch.rows.new_zeros(0, dtype=torch.int64), bag_grads.new_zeros(
+                0, bag_grads.shape[1]
+            )
+        summed = self._workspace(run, plan.rows.numel(), bag_grads.shape[1])
         with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
             warnings.simplefilter("ignore", UserWarning)
             pattern = torch.sparse_csr_tensor(
-                crow,
-                bag_of_id,
-                torch.ones(n) if values is None else values,
-                (unique.numel(), num_bags),
+                plan.crow,
+                plan.bags,
+                plan.values,
+                (plan.rows.numel(), bag_grads.shape[0]),
                 check_invariants=False,
             )
             torch.addmm(summed, pattern, bag_grads, beta=0, out=summed)
-        return unique.long(), summed  # index_add_ is much slower with int32 indices
+        return plan.rows, summed
 
     def _workspace(self, run: int, rows: int, width: int) -> Tensor:
         """Run ``run``'s reused ``[rows, width]`` float32 buffer (fresh large tensors cost page

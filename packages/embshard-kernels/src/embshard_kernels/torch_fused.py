@@ -103,6 +103,7 @@ class TorchFusedTBE(nn.Module):
             ]
         self.step = 0
         self.grad_exchange: GradExchange | None = None
+        self._last_forward: tuple[list[RunBatch], CallLayout] | None = None
         self.row_reductions: list[RowReduction | None] | None = None
 
     def tables(self) -> list[Tensor]:
@@ -126,6 +127,8 @@ class TorchFusedTBE(nn.Module):
         out: Tensor = _FusedLookup.apply(
             self.weights, indices, offsets, per_sample_weights, self, layout
         )
+        if not out.requires_grad:  # no backward will come: nothing to prepare
+            self._last_forward = None
         return out
 
     # -- FusedTBE protocol ----------------------------------------------------------------
@@ -154,6 +157,14 @@ class TorchFusedTBE(nn.Module):
     def set_optimizer_step(self, step: int) -> None:
         """The next backward uses step ``step + 1``."""
         self.step = int(step)
+
+    def prepare_backward(self) -> None:
+        """Work out what the next backward needs from the last forward's ids alone (the fast
+        path's sort of the ids), e.g. while the output all-to-all is in flight; a no-op when
+        there is nothing to prepare."""
+        last, self._last_forward = self._last_forward, None
+        if last is not None and self.fast is not None:
+            self.fast.prepare(*last)
 
     # -- the two halves of a step ---------------------------------------------------------
 
@@ -295,6 +306,7 @@ class _FusedLookup(torch.autograd.Function):
             if module.fast is not None
             else None
         )
+        module._last_forward = None if ctx.batches is None else (ctx.batches, layout)
         return module.lookup(indices, offsets, per_sample_weights, layout, ctx.batches)
 
     @staticmethod

@@ -286,6 +286,9 @@ class ShardedEmbeddingBagCollection(
                 self._output_dists, output, ctx.sharding_contexts, strict=True
             )
         ]
+        # while the output collectives fly: the backward's id sorting
+        for lookup in self._lookups:
+            lookup.prepare_backward()
         return KeyedTensorAwaitable(pending, self._keys, self._dims, self._columns)
 
     # -- introspection ----------------------------------------------------------------------

@@ -153,6 +153,14 @@ class GroupedBagLookup(nn.Module):
         """The features the lookup takes, in order."""
         return list(self._order)
 
+    def prepare_backward(self) -> None:
+        """Let the kernels work out what their backward needs from the last forward's ids
+        (called while the output dist's collective is in flight)."""
+        for kernel in self.kernels:
+            prepare = getattr(getattr(kernel, "emb_module", None), "prepare_backward", None)
+            if prepare is not None:
+                prepare()
+
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """``[batch, sum of local widths]``, column blocks in ``feature_names()`` order.
 
