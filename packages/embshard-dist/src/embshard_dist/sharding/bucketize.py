@@ -37,14 +37,15 @@ class BucketizedIds:
             feature, then sample (input dtype).
         values: local ids (id minus the first row of its bucket), in the same order.
         weights: the ids' weights in the same order, or ``None``.
-        unbucketize_permute: int64; entry ``i`` is the position in ``values`` of input id ``i``.
+        unbucketize_permute: int64; entry ``i`` is the position in ``values`` of input id ``i``
+            (``None`` when not asked for).
         num_buckets: number of buckets.
     """
 
     lengths: Tensor
     values: Tensor
     weights: Tensor | None
-    unbucketize_permute: Tensor
+    unbucketize_permute: Tensor | None
     num_buckets: int
 
 
@@ -60,6 +61,7 @@ def bucketize_ids(
     *,
     weights: Tensor | None = None,
     feature_names: Sequence[str] | None = None,
+    with_permute: bool = True,
 ) -> BucketizedIds:
     """Route ids to row-wise buckets (see the module docstring).
 
@@ -71,6 +73,7 @@ def bucketize_ids(
         stride_per_feature: batch size of each feature.
         weights: optional per-id weights, carried along.
         feature_names: names for error messages.
+        with_permute: compute ``unbucketize_permute`` (``False``: it is left ``None``).
 
     Raises:
         ValueError: shapes do not fit, boundaries are malformed, or an id is out of range.
@@ -80,7 +83,6 @@ def bucketize_ids(
     _check_args(values, lengths, block_boundaries, strides, weights, feature_names)
     num_buckets = len(block_boundaries[0]) - 1 if num_features else 1
     device = values.device
-    num_segments = sum(strides)
     lengths64 = lengths.to(torch.int64)
     # Ids are feature-major: feature f owns one contiguous slice of them.
     ends = torch.cat([lengths64.new_zeros(1), torch.cumsum(lengths64, 0)])
@@ -88,36 +90,59 @@ def bucketize_ids(
     id_ends = [0, *(int(x) for x in ends[cut].tolist())]
     ids = values.to(torch.int64)
     _check_ids(ids, id_ends, block_boundaries, lengths64, strides, feature_names)
-    # Per feature (a contiguous slice of ids): its bucket (searchsorted among the inner
-    # boundaries) and the id's offset in that bucket's block.
-    bucket = torch.empty(values.numel(), dtype=torch.int32, device=device)
+    # Per feature (a contiguous slice of ids): its bucket and the id's offset in that bucket's
+    # block. Two buckets (two ranks, or two per node): one comparison; more: searchsorted.
+    bucket = torch.empty(
+        values.numel(), dtype=torch.uint8 if num_buckets == 2 else torch.int32, device=device
+    )
     local = torch.empty(values.numel(), dtype=torch.int64, device=device)
     for f, (a, b) in enumerate(itertools.pairwise(id_ends)):
         if a == b:
             continue
-        edges = torch.tensor([int(x) for x in block_boundaries[f]], device=device)
-        torch.searchsorted(edges[1:-1], ids[a:b], right=True, out_int32=True, out=bucket[a:b])
-        torch.sub(ids[a:b], edges.index_select(0, bucket[a:b]), out=local[a:b])
+        edges = [int(x) for x in block_boundaries[f]]
+        if num_buckets == 2:
+            torch.ge(ids[a:b], edges[1], out=bucket[a:b].view(torch.bool))
+            torch.sub(ids[a:b], bucket[a:b], alpha=edges[1], out=local[a:b])
+            continue
+        edge_tensor = torch.tensor(edges, device=device)
+        torch.searchsorted(edge_tensor[1:-1], ids[a:b], right=True, out_int32=True, out=bucket[a:b])
+        torch.sub(ids[a:b], edge_tensor.index_select(0, bucket[a:b]), out=local[a:b])
 
     # The input is already feature- then sample-ordered, so a stable sort by bucket alone gives
     # the bucket-major layout; small integer keys sort by radix.
     narrow = torch.uint8 if num_buckets <= 255 else torch.int32
     order = torch.sort(bucket.to(narrow), stable=True).indices
-    unbucketize = torch.empty_like(order)
-    unbucketize[order] = torch.arange(order.numel(), device=device)
-    segment = torch.repeat_interleave(
-        torch.arange(num_segments, device=device), lengths64, output_size=values.numel()
-    )
-    new_lengths = torch.bincount(
-        bucket.to(torch.int64).mul_(num_segments).add_(segment),
-        minlength=num_buckets * num_segments,
-    )
+    unbucketize = None
+    if with_permute:
+        unbucketize = torch.empty_like(order)
+        unbucketize[order] = torch.arange(order.numel(), device=device)
+    new_lengths = _bucket_lengths(bucket, lengths64, num_buckets)
     return BucketizedIds(
         lengths=new_lengths.to(lengths.dtype),
         values=local.index_select(0, order).to(values.dtype),
         weights=None if weights is None else weights.index_select(0, order),
         unbucketize_permute=unbucketize,
         num_buckets=num_buckets,
+    )
+
+
+def _bucket_lengths(bucket: Tensor, lengths: Tensor, num_buckets: int) -> Tensor:
+    """``[num_buckets * segments]`` (bucket-major): how many ids of each segment (bag) fall in
+    each bucket, from running counts of each bucket read at the bags' ends."""
+    ends = torch.cumsum(lengths, 0)
+    if bucket.numel() == 0:
+        return lengths.new_zeros(num_buckets * lengths.numel())
+    if num_buckets == 2:
+        running = torch.cumsum(bucket, 0, dtype=torch.int64)  # ids in bucket 1 so far
+        at_end = torch.cat([running.new_zeros(1), running]).index_select(0, ends)
+        ones = at_end.diff(prepend=at_end.new_zeros(1))
+        return torch.cat([lengths - ones, ones])
+    segment = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=bucket.numel()
+    )
+    return torch.bincount(
+        bucket.to(torch.int64).mul_(lengths.numel()).add_(segment),
+        minlength=num_buckets * lengths.numel(),
     )
 
 
@@ -201,13 +226,18 @@ def _check_ids(
 
 
 def bucketize_kjt(
-    kjt: KeyedJaggedTensor, block_boundaries: Sequence[Sequence[int]]
-) -> tuple[KeyedJaggedTensor, Tensor]:
+    kjt: KeyedJaggedTensor,
+    block_boundaries: Sequence[Sequence[int]],
+    *,
+    with_permute: bool = True,
+) -> tuple[KeyedJaggedTensor, Tensor | None]:
     """Route a KJT's ids to row-wise buckets.
 
     Args:
         kjt: the batch; its keys are the features.
         block_boundaries: per key of ``kjt``, its table's row boundaries (``num_buckets + 1``).
+        with_permute: compute the unbucketize permutation (``False``: ``None`` is returned in
+            its place; pooled lookups do not need it).
 
     Returns:
         ``(bucketized, unbucketize_permute)``: a KJT with the keys repeated once per bucket
@@ -227,6 +257,7 @@ def bucketize_kjt(
         kjt.stride_per_key(),
         weights=kjt.weights_or_none(),
         feature_names=keys,
+        with_permute=with_permute,
     )
     n = out.num_buckets
     variable = kjt.variable_stride_per_key()

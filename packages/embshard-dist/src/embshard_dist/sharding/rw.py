@@ -65,6 +65,7 @@ class RwInputDist(nn.Module):
         *,
         is_weighted: bool,
         keep_lengths: bool,
+        keep_permute: bool = True,
     ) -> None:
         super().__init__()
         self._select = FeatureSelector(features, feature_tables, is_weighted=is_weighted)
@@ -72,6 +73,7 @@ class RwInputDist(nn.Module):
         self._world = len(self._boundaries[0]) - 1
         self._all_to_all = KJTAllToAll(pg, [len(features)] * self._world)
         self._keep_lengths = keep_lengths
+        self._keep_permute = keep_permute
 
     def forward(
         self, features: KeyedJaggedTensor, ctx: ShardingStepContext
@@ -86,7 +88,9 @@ class RwInputDist(nn.Module):
         variable = selected.variable_stride_per_key()
         if self._keep_lengths and not variable:
             ctx.bag_lengths = selected.lengths().view(len(self._boundaries), selected.stride())
-        bucketized, ctx.unbucketize_permute = bucketize_kjt(selected, self._boundaries)
+        bucketized, ctx.unbucketize_permute = bucketize_kjt(
+            selected, self._boundaries, with_permute=self._keep_permute
+        )
         ctx.sent_features = to_wire(bucketized)
         started = self._all_to_all(ctx.sent_features)
         return ReceivedFeatures(
@@ -189,6 +193,8 @@ class RwSharding:
             {f: t.name for f, t in self._by_feature.items()},
             is_weighted=self._options.is_weighted,
             keep_lengths=any(self._mean()),
+            # only sequences put looked-up rows back in id order
+            keep_permute=any(t.config.pooling is PoolingType.NONE for t in self._tables),
         )
 
     def create_lookup(self) -> GroupedBagLookup:
