@@ -85,6 +85,8 @@ def test_launch_refuses_bad_arguments() -> None:
         (["--nproc", "0"], "expected a positive integer"),
         (["--lr", "-1"], "learning_rate must be finite and >= 0.0"),
         (["--topology", "/nonexistent/topo.json"], "--topology: cannot read"),
+        (["--plan", "/nonexistent/plan.json"], "--plan: cannot read"),
+        (["--plan", "plan.json", "--sharding", "row_wise"], "--plan FILE and --sharding"),
     ],
 )
 def test_bad_options_exit_2_with_a_message(
@@ -169,3 +171,28 @@ def test_a_plan_the_sharder_refuses_exits_2(capfd: pytest.CaptureFixture[str]) -
     captured = capfd.readouterr()
     assert captured.out.count("embshard train: error: module 'sparse_arch': table 't0'") == 1
     assert "multiple of 4" in captured.out and "Traceback" not in captured.err
+
+
+def test_a_plan_file_is_used_as_it_is(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from embshard_types.parameter_sharding import ParameterSharding
+    from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
+
+    tables = {
+        "t0": ParameterSharding(ShardingType.ROW_WISE, "fused"),
+        "t1": ParameterSharding(ShardingType.TABLE_WISE, "fused", ranks=[1]),
+    }
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(
+        ShardingPlan({"sparse_arch": EmbeddingModuleShardingPlan(tables)}).to_json()
+    )
+    summary_path = tmp_path / "summary.json"
+    argv = ["train", "--tables", "2", "--steps", "3", "--plan", str(plan_path)]
+    assert main([*argv, "--json", str(summary_path)]) == 0
+    chosen = json.loads(summary_path.read_text())["plan"]["modules"]["sparse_arch"]["tables"]
+    assert chosen["t0"]["sharding_type"] == "row_wise"
+    assert chosen["t1"]["sharding_type"] == "table_wise" and chosen["t1"]["ranks"] == [1]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--plan", str(bad)])
+    assert info.value.code == 2 and "is not a ShardingPlan JSON" in capfd.readouterr().err

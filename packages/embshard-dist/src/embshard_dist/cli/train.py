@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 _OPTIMIZERS = (
@@ -62,6 +63,7 @@ class TrainConfig:
     steps: int = 100
     sharding: str | dict[str, str] | None = None
     topology: str | None = None
+    plan_json: str | None = None
     optimizer: str = "rowwise_adagrad"
     lr: float = 0.05
     seed: int = 0
@@ -112,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sharding types the planner must use: one type for all tables (table_wise, "
         "row_wise, column_wise, data_parallel, ...), per table 't0=row_wise,t1=auto', or auto "
         "(default: the cost-based planner chooses every table's type and placement)",
+    )
+    p.add_argument(
+        "--plan",
+        default="auto",
+        help="auto (default: the cost-based planner plans on the first rank, every rank gets "
+        "the plan), or a ShardingPlan JSON file to train with as it is (e.g. written by "
+        "`embshard plan`; checked against the model before any collective)",
     )
     p.add_argument(
         "--topology",
@@ -166,6 +175,19 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
             raise ValueError("--checkpoint-dir and --save-every go together: give both or neither")
         if args.async_save and args.checkpoint_dir is None:
             raise ValueError("--async-save needs --checkpoint-dir and --save-every")
+        plan_json = None
+        if args.plan != "auto":
+            if args.sharding is not None:
+                raise ValueError("--plan FILE and --sharding exclude each other: the file decides")
+            from embshard_types.plan import ShardingPlan
+
+            try:
+                plan_json = Path(args.plan).read_text()
+                ShardingPlan.from_json(plan_json)
+            except OSError as e:
+                raise ValueError(f"--plan: cannot read {args.plan!r}: {e}") from None
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--plan: {args.plan!r} is not a ShardingPlan JSON: {e}") from None
         if args.topology is not None:
             from embshard_dist.planner.topology import Topology
 
@@ -184,6 +206,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
         steps=args.steps,
         sharding=sharding,
         topology=args.topology,
+        plan_json=plan_json,
         optimizer=args.optimizer,
         lr=args.lr,
         seed=args.seed,
@@ -235,6 +258,7 @@ def train_rank(config: TrainConfig) -> int:
     from embshard_optim.specs import OptimizerSpec
     from embshard_types.configs import EmbeddingBagConfig
     from embshard_types.env import ShardingEnv
+    from embshard_types.plan import ShardingPlan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = "nccl" in str(dist.get_backend()).lower()
@@ -261,16 +285,19 @@ def train_rank(config: TrainConfig) -> int:
         ]
         group = dist.group.WORLD
         assert group is not None  # the launcher initialised the default group
-        plan = default_plan(
-            model,
-            sharders,
-            ShardingEnv.from_process_group(group),
-            device.type,
-            optimizer=spec,
-            topology=config.topology,
-            constraints=_constraints(config, data),
-            batch_size=config.batch_size,
-        )
+        if config.plan_json is not None:  # --plan FILE: as given (DMP checks it fits)
+            plan = ShardingPlan.from_json(config.plan_json)
+        else:
+            plan = default_plan(
+                model,
+                sharders,
+                ShardingEnv.from_process_group(group),
+                device.type,
+                optimizer=spec,
+                topology=config.topology,
+                constraints=_constraints(config, data),
+                batch_size=config.batch_size,
+            )
         dmp = DistributedModelParallel(
             model, device=device, plan=plan, sharders=sharders, optimizer=spec
         )
