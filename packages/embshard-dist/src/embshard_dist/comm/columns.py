@@ -157,7 +157,7 @@ class ColumnAssembly:
             out[:, dst : dst + width] = parts[p][:, src : src + width]
         return out
 
-    def split(self, values: Tensor, out: Tensor | None = None) -> list[Tensor]:
+    def split(self, values: Tensor, out: Tensor | None = None, scale: float = 1.0) -> list[Tensor]:
         """The inverse of :meth:`assemble`: one contiguous ``[batch, w_i]`` per part, the parts
         one after another in one buffer (so an all-to-all sends them without a copy).
 
@@ -165,6 +165,8 @@ class ColumnAssembly:
             values: ``[batch, width]``.
             out: a flat buffer of at least ``batch * width`` elements to hold the parts
                 (``None``: a new one).
+            scale: multiply the values by this while moving them (``values * scale``, the
+                same bits as scaling first).
         """
         batch = values.shape[0]
         flat = values.new_empty(batch * self.width) if out is None else out[: batch * self.width]
@@ -175,7 +177,10 @@ class ColumnAssembly:
             )
         ]
         for p, src, dst, width in self.runs:
-            parts[p][:, src : src + width] = values[:, dst : dst + width]
+            if scale == 1.0:
+                parts[p][:, src : src + width] = values[:, dst : dst + width]
+            else:
+                torch.mul(values[:, dst : dst + width], scale, out=parts[p][:, src : src + width])
         return parts
 
 

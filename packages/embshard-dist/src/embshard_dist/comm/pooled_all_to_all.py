@@ -53,7 +53,9 @@ class _PooledAllToAllOp:
         timeout: Timeout,
         assembly: ColumnAssembly,
         pool: BufferPool,
+        grad_scale: float,
     ) -> None:
+        self._grad_scale = grad_scale
         self._assembly = assembly
         self._pool = pool
         self._lent: Tensor | None = None
@@ -116,7 +118,7 @@ class _PooledAllToAllOp:
 
     def start_backward(self, grad_output: Tensor) -> None:
         self._lent = self._pool.lend(grad_output.numel(), grad_output.dtype, grad_output.device)
-        chunks = self._assembly.split(grad_output, self._lent)
+        chunks = self._assembly.split(grad_output, self._lent, self._grad_scale)
         coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
         recv_shapes = [(b, self._dims[self._rank]) for b in self._batches]
         self._exchange(chunks, recv_shapes, coder, "backward", grad_output)
@@ -145,6 +147,8 @@ class PooledEmbeddingsAllToAll(nn.Module):
         columns: if given, the output's column order: output column ``j`` is column
             ``columns[j]`` of the received blocks side by side (applied while the blocks are
             put together, no extra copy).
+        grad_scale: the backward sends ``grad_scale`` times the output's gradient (scaled
+            while it is cut into per-rank chunks, no extra pass; e.g. the 1/N rule).
 
     Raises:
         ValueError: ``dim_sum_per_rank`` does not have one non-negative width per rank, or
@@ -160,8 +164,10 @@ class PooledEmbeddingsAllToAll(nn.Module):
         codecs: QuantizedCommCodecs | None = None,
         timeout: Timeout = None,
         columns: Sequence[int] | None = None,
+        grad_scale: float = 1.0,
     ) -> None:
         super().__init__()
+        self._grad_scale = float(grad_scale)
         self._pg = pg
         self._world = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
@@ -208,6 +214,7 @@ class PooledEmbeddingsAllToAll(nn.Module):
             self._timeout,
             self._assembly,
             self._pool,
+            self._grad_scale,
         )
         awaitable = CollectiveAwaitable(op, local_embs)
         awaitable.callbacks.extend(self._callbacks)

@@ -2,10 +2,11 @@
 
 :class:`RoutedInputDist` sends every feature to each rank that holds a shard it reads: one
 permutation of the caller's KJT (cached; a feature read by several ranks is repeated), then
-one KJT all-to-all. :class:`PooledOutputDist` divides the gradient by the world size (the 1/N
-rule of :mod:`embshard_dist.sharding.base`), sends every rank the pooled rows of its own
-samples with a pooled-embeddings all-to-all, and optionally reorders the received columns (one
-``index_select``, the index built once).
+one KJT all-to-all. :class:`PooledOutputDist` sends every rank the pooled rows of its own
+samples with a pooled-embeddings all-to-all, which puts the received columns in the output's
+order as it assembles them and, in the backward, divides the gradient by the world size (the
+1/N rule of :mod:`embshard_dist.sharding.base`: the same product ``grad * (1/N)``) as it cuts it
+into per-rank chunks.
 
 Guarantees: exact (no arithmetic in either direction besides the 1/N of the gradient); ranks
 may have different batch sizes (learned from the features' all-to-all).
@@ -24,7 +25,6 @@ from embshard_dist.sharding.base import (
     FeatureSelector,
     ReceivedFeatures,
     ShardingStepContext,
-    scale_grad,
     to_wire,
 )
 from embshard_types.awaitables import Awaitable
@@ -96,13 +96,12 @@ class PooledOutputDist(nn.Module):
         codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__()
-        self._all_to_all = PooledEmbeddingsAllToAll(
-            pg, dim_sum_per_rank, codecs=codecs, columns=columns
-        )
         self._world = len(dim_sum_per_rank)
+        # the 1/N rule, applied by the all-to-all's backward as it cuts the gradient per rank
+        self._all_to_all = PooledEmbeddingsAllToAll(
+            pg, dim_sum_per_rank, codecs=codecs, columns=columns, grad_scale=1.0 / self._world
+        )
 
     def forward(self, embeddings: Tensor, ctx: ShardingStepContext) -> Awaitable[Tensor]:
         """Start the all-to-all of ``[sum of batches, local width]`` pooled rows."""
-        # the gradient reaching scale_grad is the all-to-all's own receive buffer
-        scaled = scale_grad(embeddings, self._world, in_place=True)
-        return self._all_to_all(scaled, ctx.batch_size_per_rank)
+        return self._all_to_all(embeddings, ctx.batch_size_per_rank)
