@@ -188,8 +188,12 @@ class NodeRowWiseOutputDist(nn.Module):
         lws = topology.local_world_size
         self._intra: PooledEmbeddingsAllToAll | None = None
         if groups.intra is not None and self._width > 0:
+            # the 1/N rule, applied by its backward as it cuts the gradient per rank
             self._intra = PooledEmbeddingsAllToAll(
-                groups.intra, [self._width] * lws, codecs=reduce_codecs
+                groups.intra,
+                [self._width] * lws,
+                codecs=reduce_codecs,
+                grad_scale=1.0 / topology.world_size,
             )
         self._cross: PooledEmbeddingsAllToAll | None = None
         if groups.cross is not None:
@@ -209,15 +213,15 @@ class NodeRowWiseOutputDist(nn.Module):
         assert ctx.batch_size_per_rank is not None
         topo = self._topology
         stripes, peers = staggered_batches(ctx.batch_size_per_rank, topo)
-        scaled = scale_grad(embeddings, topo.world_size)
         stage1: Awaitable[Tensor]
-        if self._intra is not None:
-            stage1 = self._intra(scaled, stripes)
+        if self._intra is not None:  # its backward divides by N
+            stage1 = self._intra(embeddings, stripes)
             stage1.callbacks.append(self._sum_partials)
         elif topo.local_world_size > 1:  # nothing on this node: a [stripe, 0] tensor
+            scaled = scale_grad(embeddings, topo.world_size)
             stage1 = NoWait(scaled.narrow(0, 0, stripes[topo.local_rank]))
         else:
-            stage1 = NoWait(scaled)
+            stage1 = NoWait(scale_grad(embeddings, topo.world_size))
         result = _CrossNodes(stage1, self._cross, peers)
         if self._mean is not None:
             assert ctx.bag_lengths is not None
