@@ -231,15 +231,15 @@ class FastPooledPath:
             lo, hi = run.features.start, run.features.stop
             ids_at = slice(layout.id_bounds[lo], layout.id_bounds[hi])
             bag_offsets = offsets[layout.bag_bounds[lo] : layout.bag_bounds[hi] + 1]
-            counts = [layout.id_bounds[f + 1] - layout.id_bounds[f] for f in run.features]
-            bases = torch.repeat_interleave(
-                torch.tensor(run.row_bases, dtype=dtype),
-                torch.tensor(counts),
-                output_size=layout.id_bounds[hi] - layout.id_bounds[lo],
-            )
+            rows = indices[ids_at].to(dtype, copy=True)
+            # each feature's ids are one slice: add its table's first row there, in place
+            first = layout.id_bounds[lo]
+            for f, base in zip(run.features, run.row_bases, strict=True):
+                if base:
+                    rows[layout.id_bounds[f] - first : layout.id_bounds[f + 1] - first] += base
             out.append(
                 RunBatch(
-                    indices[ids_at].to(dtype) + bases,
+                    rows,
                     (bag_offsets - layout.id_bounds[lo]).to(dtype),
                     None if weights is None else weights[ids_at],
                 )
