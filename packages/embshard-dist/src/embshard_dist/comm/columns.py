@@ -3,9 +3,8 @@
 Output dists and the sharded collection put received feature blocks into the caller's order.
 ``Tensor.index_select(1, ...)`` does that in the forward, but its backward scatters with an
 ``index_add_`` along the columns, many times slower than the forward on the CPU. A
-:class:`ColumnOrder` is a fixed permutation whose backward is the inverse permutation, gathered
-the same way; when the permutation moves whole blocks of one width (features of one dimension),
-both directions gather blocks of a ``[batch, blocks, width]`` view.
+:class:`ColumnAssembly` copies runs of consecutive columns in both directions (one copy each
+way, parts concatenated and reordered at once); :class:`ColumnOrder` is its one-part form.
 
 Guarantees: exact (values are moved, never combined); the gradient of the output is moved back
 to the input's columns; a column list that is not a permutation is refused with the reason.
@@ -20,84 +19,11 @@ import torch
 from torch import Tensor
 
 
-class ColumnOrder:
-    """Output column ``j`` is input column ``columns[j]`` (a permutation of the input columns).
-
-    Args:
-        columns: the permutation.
-
-    Raises:
-        ValueError: ``columns`` is not a permutation of ``range(len(columns))``.
-    """
-
-    def __init__(self, columns: Sequence[int]) -> None:
-        cols = [int(c) for c in columns]
-        if sorted(cols) != list(range(len(cols))):
-            raise ValueError(
-                f"ColumnOrder: {len(cols)} columns must be a permutation of 0..{len(cols) - 1}"
-            )
-        self.width = len(cols)
-        self._forward = torch.tensor(cols, dtype=torch.long)
-        self._backward = torch.argsort(self._forward)
-        self._block = _block_width(cols)
-        if self._block:
-            self._forward_blocks = self._forward[:: self._block] // self._block
-            self._backward_blocks = torch.argsort(self._forward_blocks)
-
-    @staticmethod
-    def of(columns: Sequence[int] | None) -> ColumnOrder | None:
-        """The order of ``columns``, or ``None`` when there is nothing to reorder."""
-        if columns is None or list(columns) == list(range(len(columns))):
-            return None
-        return ColumnOrder(columns)
-
-    def __call__(self, values: Tensor) -> Tensor:
-        """``values[:, columns]``, differentiable."""
-        if values.dim() != 2 or values.shape[1] != self.width:
-            raise ValueError(
-                f"ColumnOrder: expected [batch, {self.width}] values, got {tuple(values.shape)}"
-            )
-        out: Tensor = _Reorder.apply(values, self)
-        return out
-
-    def move(self, values: Tensor, inverse: bool = False) -> Tensor:
-        """The permutation (or its inverse) applied to ``values``' columns, no autograd."""
-        if self._block:
-            blocks = self._backward_blocks if inverse else self._forward_blocks
-            view = values.reshape(values.shape[0], self.width // self._block, self._block)
-            return view.index_select(1, blocks.to(values.device)).reshape(values.shape)
-        index = self._backward if inverse else self._forward
-        return values.index_select(1, index.to(values.device))
-
-
-def _block_width(cols: list[int]) -> int:
-    """The widest ``d`` such that ``cols`` moves aligned blocks of ``d`` columns (0: none > 1)."""
-    n = len(cols)
-    for d in sorted({d for d in range(2, n + 1) if n % d == 0}, reverse=True):
-        if all(
-            cols[i] % d == 0 and cols[i : i + d] == list(range(cols[i], cols[i] + d))
-            for i in range(0, n, d)
-        ):
-            return d
-    return 0
-
-
-class _Reorder(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, values: Tensor, order: ColumnOrder) -> Tensor:
-        ctx.order = order
-        return order.move(values)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return ctx.order.move(grad, inverse=True), None
-
-
 class ColumnAssembly:
     """Several ``[batch, w_i]`` parts put side by side and reordered, in one copy each way.
 
     Output column ``j`` is column ``columns[j]`` of the parts concatenated (``None``: in
-    order). Equivalent to ``ColumnOrder(columns)(torch.cat(parts, dim=1))`` but each column is
+    order). Equivalent to ``torch.cat(parts, dim=1)[:, columns]`` but each column is
     copied once, in the runs of consecutive columns that come from one part; the backward copies
     the gradient's runs back into one gradient per part.
 
@@ -193,3 +119,39 @@ class _Assemble(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return (None, *ctx.assembly.split(grad))
+
+
+class ColumnOrder:
+    """Output column ``j`` is input column ``columns[j]`` (a permutation of the input columns):
+    a one-part :class:`ColumnAssembly`.
+
+    Args:
+        columns: the permutation.
+
+    Raises:
+        ValueError: ``columns`` is not a permutation of ``range(len(columns))``.
+    """
+
+    def __init__(self, columns: Sequence[int]) -> None:
+        cols = [int(c) for c in columns]
+        if sorted(cols) != list(range(len(cols))):
+            raise ValueError(
+                f"ColumnOrder: {len(cols)} columns must be a permutation of 0..{len(cols) - 1}"
+            )
+        self.width = len(cols)
+        self._assembly = ColumnAssembly([self.width], cols)
+
+    @staticmethod
+    def of(columns: Sequence[int] | None) -> ColumnOrder | None:
+        """The order of ``columns``, or ``None`` when there is nothing to reorder."""
+        if columns is None or list(columns) == list(range(len(columns))):
+            return None
+        return ColumnOrder(columns)
+
+    def __call__(self, values: Tensor) -> Tensor:
+        """``values[:, columns]``, differentiable."""
+        if values.dim() != 2 or values.shape[1] != self.width:
+            raise ValueError(
+                f"ColumnOrder: expected [batch, {self.width}] values, got {tuple(values.shape)}"
+            )
+        return self._assembly([values])
