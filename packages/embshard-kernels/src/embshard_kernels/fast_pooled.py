@@ -39,6 +39,7 @@ from torch import Tensor
 from embshard_kernels.fbgemm_mapping import device_type
 from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, arrange_pooled, split_pooled
+from embshard_kernels.workspace import Workspace
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.vocab import DataType, PoolingType
@@ -202,7 +203,7 @@ class FastPooledPath:
         """Per run, its tables' names joined by ``+`` (what a row exchange is told)."""
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
-        self._buffers = [torch.empty(0) for _ in self.runs]
+        self._space = Workspace()
         self._prepared: tuple[list[RunBatch], list[RowPlan | None]] | None = None
         first_rows = [sum(r for r, _ in shapes[:t]) for t in range(len(shapes))]
         self._table_firsts = [
@@ -493,11 +494,8 @@ class FastPooledPath:
         return plan.rows, summed
 
     def _workspace(self, run: int, rows: int, width: int) -> Tensor:
-        """Run ``run``'s reused ``[rows, width]`` float32 buffer (fresh large tensors cost page
-        faults)."""
-        if self._buffers[run].numel() < rows * width:
-            self._buffers[run] = torch.empty(rows * width + rows * width // 4)
-        return self._buffers[run][: rows * width].view(rows, width)
+        """Run ``run``'s reused ``[rows, width]`` float32 buffer."""
+        return self._space.take(f"run{run}", (rows, width), torch.float32, torch.device("cpu"))
 
 
 def _apply(

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from embshard_dist.comm._dtypes import dtype_code, dtype_name
 from embshard_dist.comm.timeouts import Timeout, issue
-from embshard_dist.comm.workspace import Workspace
+from embshard_kernels.workspace import Workspace
 
 _MAX_DIMS = 8
 

@@ -33,7 +33,7 @@ from embshard_dist.comm._codec import ChunkCodec
 from embshard_dist.comm._exchange import decode_chunks, join_rows, start_all_to_all
 from embshard_dist.comm.columns import ColumnAssembly
 from embshard_dist.comm.timeouts import PendingCollective, Timeout
-from embshard_dist.comm.workspace import BufferPool
+from embshard_kernels.workspace import BufferPool
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from embshard_dist.comm.collectives import dense_row_all_reduce, sparse_all_reduce
-from embshard_dist.comm.workspace import Workspace
 from embshard_dist.sharding._lookup import GroupedBagLookup, kernel_feature_order
 from embshard_dist.sharding.base import (
     BagTable,
@@ -34,6 +33,7 @@ from embshard_dist.sharding.base import (
     scale_grad,
     shard_config,
 )
+from embshard_kernels.workspace import Workspace
 from embshard_optim.sharded_state import StateFormat
 from embshard_types.awaitables import Awaitable, NoWait
 from embshard_types.shard_spec import ShardSpec

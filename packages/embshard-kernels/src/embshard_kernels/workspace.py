@@ -1,4 +1,5 @@
-"""Buffers reused from one step to the next by the collectives that move large tensors.
+"""Buffers reused from one step to the next by the kernels and collectives that fill large
+tensors every step.
 
 A fresh tensor above glibc's largest mmap threshold (32 MiB) is mapped anew on every
 allocation, and each of its 4 KiB pages faults on first touch: on the machines embshard is
