@@ -27,7 +27,6 @@ step is about twice as fast as FBGEMM's CPU TBE with RowWiseAdagrad, one thread)
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -39,6 +38,7 @@ from torch import Tensor
 from embshard_kernels.fbgemm_mapping import device_type
 from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, arrange_pooled, split_pooled
+from embshard_kernels.row_sums import group_rows, sparse_product
 from embshard_kernels.workspace import Workspace
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimizerSpec, OptimType
@@ -428,12 +428,9 @@ class FastPooledPath:
         n = batch.rows.numel()
         if n == 0:
             return None
-        keys, order = torch.sort(batch.rows, stable=True)
-        unique, counts = torch.unique_consecutive(keys, return_counts=True)
-        crow = torch.zeros(unique.numel() + 1, dtype=keys.dtype)
-        torch.cumsum(counts, 0, out=crow[1:])
+        unique, crow, order = group_rows(batch.rows, batch.rows.dtype)
         lengths = batch.offsets.diff()
-        bags = torch.arange(lengths.numel(), dtype=keys.dtype)
+        bags = torch.arange(lengths.numel(), dtype=batch.rows.dtype)
         if sample_major_features:
             bags = bags.view(-1, sample_major_features).t().reshape(-1)
         bag_of_id = torch.repeat_interleave(bags, lengths, output_size=n).index_select(0, order)
@@ -481,16 +478,7 @@ class FastPooledPath:
                 0, bag_grads.shape[1]
             )
         summed = self._workspace(run, plan.rows.numel(), bag_grads.shape[1])
-        with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
-            warnings.simplefilter("ignore", UserWarning)
-            pattern = torch.sparse_csr_tensor(
-                plan.crow,
-                plan.bags,
-                plan.values,
-                (plan.rows.numel(), bag_grads.shape[0]),
-                check_invariants=False,
-            )
-            torch.addmm(summed, pattern, bag_grads, beta=0, out=summed)
+        sparse_product(plan.crow, plan.bags, plan.values, bag_grads, summed)
         return plan.rows, summed
 
     def _workspace(self, run: int, rows: int, width: int) -> Tensor:

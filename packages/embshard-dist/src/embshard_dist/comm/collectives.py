@@ -16,7 +16,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +24,7 @@ from torch import Tensor
 
 from embshard_dist.comm._dtypes import dtype_code, dtype_name
 from embshard_dist.comm.timeouts import Timeout, issue
+from embshard_kernels.row_sums import group_rows, sparse_product
 from embshard_kernels.workspace import Workspace
 
 _MAX_DIMS = 8
@@ -218,34 +218,24 @@ def sum_rows(
             f"sum_rows: expected 1-D row ids and one 2-D gradient row per id, got rows "
             f"{tuple(rows.shape)} and grads {tuple(grads.shape)}"
         )
-    keys, order = torch.sort(rows, stable=True)
-    unique, counts = torch.unique_consecutive(keys, return_counts=True)
+    on_cpu = grads.device.type == "cpu" and grads.dtype == torch.float32 and rows.numel() > 0
+    # int32 indices where they fit: faster sparse products
+    index = torch.int32 if on_cpu and grads.shape[0] < 2**31 else torch.int64
+    unique, crow, order = group_rows(rows, index)
     picked = order if sources is None else sources.index_select(0, order)
-    if grads.device.type == "cpu" and grads.dtype == torch.float32 and rows.numel():
+    if on_cpu:
         # A sparse [unique x grads] matrix of ones (each row's ids in input order) times the
-        # gradient rows: one pass, no per-id scatter (int32 indices where they fit: faster).
-        index = torch.int32 if grads.shape[0] < 2**31 else torch.int64
-        crow = torch.zeros(unique.numel() + 1, dtype=index)
-        torch.cumsum(counts, 0, out=crow[1:])
+        # gradient rows: one pass, no per-id scatter.
         shape = (unique.numel(), grads.shape[1])
         summed = (
             grads.new_empty(shape)
             if workspace is None
             else workspace.take("summed", shape, grads.dtype, grads.device)
         )
-        with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
-            warnings.simplefilter("ignore", UserWarning)
-            pattern = torch.sparse_csr_tensor(
-                crow,
-                picked.to(index),
-                torch.ones(rows.numel()),
-                (unique.numel(), grads.shape[0]),
-                check_invariants=False,
-            )
-            torch.addmm(summed, pattern, grads, beta=0, out=summed)
+        sparse_product(crow, picked.to(index), torch.ones(rows.numel()), grads, summed)
         return unique, summed
     inverse = torch.repeat_interleave(
-        torch.arange(unique.numel(), device=rows.device), counts, output_size=rows.numel()
+        torch.arange(unique.numel(), device=rows.device), crow.diff(), output_size=rows.numel()
     )
     summed = grads.new_zeros(unique.shape[0], grads.shape[1])
     # index_add_ adds in index order (on the CPU), which is the input order here.

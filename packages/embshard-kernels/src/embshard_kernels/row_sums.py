@@ -1,0 +1,64 @@
+"""Summing gradient rows per distinct row id with one sparse product (CPU, float32).
+
+Both the fast pooled backward (bags' gradients summed into the rows they read) and the
+data-parallel row exchange (every rank's rows summed per row) reduce to the same two steps:
+
+- :func:`group_rows`: one stable sort of the row ids gives the distinct rows (sorted), the CSR
+  row pointers of a ``[distinct rows x entries]`` matrix, and the order of the entries;
+- :func:`sparse_product`: that matrix (values 1, or per-entry weights) times a dense
+  ``[entries, width]`` matrix, by one ``addmm`` into a given output.
+
+Guarantees: each distinct row's entries keep their input order (stable sort); nothing is
+allocated per entry besides the index vectors; torch's "sparse CSR is beta" warning is kept out
+of the caller's output.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+
+def group_rows(rows: Tensor, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(distinct rows, CSR row pointers, order)`` of 1-D ``rows``.
+
+    Args:
+        rows: row ids (any integer dtype).
+        index_dtype: dtype of the row pointers (int32 where the entries fit: faster products).
+
+    Returns:
+        the distinct rows, sorted (``rows``' dtype); ``crow`` (``index_dtype``, one more than
+        the distinct rows); ``order``: the entries grouped by row, each row's in input order.
+    """
+    keys, order = torch.sort(rows, stable=True)
+    unique, counts = torch.unique_consecutive(keys, return_counts=True)
+    crow = torch.zeros(unique.numel() + 1, dtype=index_dtype, device=rows.device)
+    torch.cumsum(counts, 0, out=crow[1:])
+    return unique, crow, order
+
+
+def sparse_product(
+    crow: Tensor, columns: Tensor, values: Tensor, dense: Tensor, out: Tensor
+) -> Tensor:
+    """``out = S @ dense`` for the CSR matrix ``S`` of ``crow``, ``columns``, ``values``.
+
+    Args:
+        crow: row pointers (``out``'s rows + 1).
+        columns: per entry, its row of ``dense`` (``crow``'s dtype).
+        values: per entry, its weight (float32).
+        dense: ``[columns, width]``.
+        out: ``[rows, width]``, overwritten.
+    """
+    with warnings.catch_warnings():  # "sparse CSR support is in beta", once per process
+        warnings.simplefilter("ignore", UserWarning)
+        pattern = torch.sparse_csr_tensor(
+            crow,
+            columns,
+            values,
+            (out.shape[0], dense.shape[0]),
+            check_invariants=False,
+        )
+        torch.addmm(out, pattern, dense, beta=0, out=out)
+    return out
