@@ -49,6 +49,7 @@ class _ReduceScatterOp:
         batch_size_per_rank: list[int],
         codecs: QuantizedCommCodecs | None,
         timeout: Timeout,
+        on_gloo: bool,
     ) -> None:
         self._group = group
         self._rank = rank
@@ -56,8 +57,7 @@ class _ReduceScatterOp:
         self._world = len(batch_size_per_rank)
         self._codecs = codecs
         self._timeout = timeout
-        gloo = "gloo" in str(dist.get_backend(group)).lower()
-        self._native = len(set(batch_size_per_rank)) == 1 and not gloo
+        self._native = len(set(batch_size_per_rank)) == 1 and not on_gloo
         self._pending: PendingCollective | None = None
         self._recv: Tensor | None = None
         self._coder: ChunkCodec | None = None
@@ -168,6 +168,7 @@ class PooledEmbeddingsReduceScatter(nn.Module):
         self._pg = pg
         self._world = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
+        self._on_gloo = "gloo" in str(dist.get_backend(pg)).lower()
         self._codecs = codecs
         self._timeout = timeout
 
@@ -205,5 +206,7 @@ class PooledEmbeddingsReduceScatter(nn.Module):
                     f"{where}: input_splits {splits} must list {self._world} non-negative batch "
                     f"sizes adding up to the {rows} rows of local_embs"
                 )
-        op = _ReduceScatterOp(self._pg, self._rank, splits, self._codecs, self._timeout)
+        op = _ReduceScatterOp(
+            self._pg, self._rank, splits, self._codecs, self._timeout, self._on_gloo
+        )
         return CollectiveAwaitable(op, local_embs)

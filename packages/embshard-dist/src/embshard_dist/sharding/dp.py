@@ -101,7 +101,9 @@ class _RowExchange:
     def __call__(
         self, label: str, rows: Tensor, grads: Tensor, num_rows: int
     ) -> tuple[Tensor, Tensor]:
-        workspace = self._workspaces.setdefault(label, Workspace())
+        workspace = self._workspaces.get(label)
+        if workspace is None:
+            workspace = self._workspaces[label] = Workspace()
         name = f"data_parallel_grads.{label}"
         dense_bytes = num_rows * (grads.shape[1] + 1) * grads.element_size()
         if grads.dtype == torch.float32 and dense_bytes <= DENSE_EXCHANGE_BYTES:
