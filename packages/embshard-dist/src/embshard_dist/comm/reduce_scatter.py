@@ -50,7 +50,9 @@ class _ReduceScatterOp:
         codecs: QuantizedCommCodecs | None,
         timeout: Timeout,
         on_gloo: bool,
+        grad_scale: float,
     ) -> None:
+        self._grad_scale = grad_scale
         self._group = group
         self._rank = rank
         self._batches = batch_size_per_rank
@@ -146,7 +148,8 @@ class _ReduceScatterOp:
         padded = (max(self._batches), self._dim)
         chunks = decode_chunks(recv, coder, [padded] * self._world)
         rows = [c[:b] for c, b in zip(chunks, self._batches, strict=True)]
-        return join_rows(rows)
+        gathered = join_rows(rows)  # this call's own buffer: scaled in place
+        return gathered if self._grad_scale == 1.0 else gathered.mul_(self._grad_scale)
 
 
 class PooledEmbeddingsReduceScatter(nn.Module):
@@ -156,6 +159,8 @@ class PooledEmbeddingsReduceScatter(nn.Module):
         pg: the process group (``None``: the default group).
         codecs: forward / backward codecs for the payload (``None``: sent as it is).
         timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+        grad_scale: the backward returns ``grad_scale`` times the gathered gradient (scaled in
+            its own buffer, no extra tensor; e.g. the 1/N rule).
     """
 
     def __init__(
@@ -163,12 +168,14 @@ class PooledEmbeddingsReduceScatter(nn.Module):
         pg: dist.ProcessGroup | None,
         codecs: QuantizedCommCodecs | None = None,
         timeout: Timeout = None,
+        grad_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self._pg = pg
         self._world = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
         self._on_gloo = "gloo" in str(dist.get_backend(pg)).lower()
+        self._grad_scale = float(grad_scale)
         self._codecs = codecs
         self._timeout = timeout
 
@@ -207,6 +214,12 @@ class PooledEmbeddingsReduceScatter(nn.Module):
                     f"sizes adding up to the {rows} rows of local_embs"
                 )
         op = _ReduceScatterOp(
-            self._pg, self._rank, splits, self._codecs, self._timeout, self._on_gloo
+            self._pg,
+            self._rank,
+            splits,
+            self._codecs,
+            self._timeout,
+            self._on_gloo,
+            self._grad_scale,
         )
         return CollectiveAwaitable(op, local_embs)

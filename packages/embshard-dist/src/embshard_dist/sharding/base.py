@@ -15,8 +15,9 @@ The one rule for the math, whatever the plan: a step on N ranks with local batch
 losses ``L_i`` leaves every table's weights and optimizer state equal to those of the unsharded
 module stepped on the concatenated global batch with loss ``L = (1/N) * sum_i L_i`` (DDP's
 convention for dense gradients). Every strategy therefore divides the embedding gradients that
-rank ``i``'s loss sends back by N, in exactly one place: :func:`scale_grad`, applied by the
-output dist.
+rank ``i``'s loss sends back by N, in exactly one place, its output dist: either the
+collective's backward scales the gradient as it moves it (``grad_scale`` of the pooled
+all-to-all and of the reduce-scatter), or :func:`scale_grad` does.
 
 Guarantees of the pieces here: :class:`FeatureSelector` computes a permutation once per input
 key order and raises a ``ValueError`` naming the missing feature and its table before any
@@ -412,30 +413,28 @@ class _ScaleGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor, divisor: int, in_place: bool) -> Tensor:
+    def forward(ctx: Any, input: Tensor, divisor: int) -> Tensor:
         ctx.factor = 1.0 / divisor
-        ctx.in_place = in_place
         return input.view_as(input)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        if ctx.in_place:
-            return grad.mul_(ctx.factor), None, None
-        return grad * ctx.factor, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
 
 
-def scale_grad(embeddings: Tensor, world_size: int, *, in_place: bool = False) -> Tensor:
+def scale_grad(embeddings: Tensor, world_size: int) -> Tensor:
     """``embeddings`` unchanged, whose gradient is divided by ``world_size`` (the 1/N rule).
+
+    Output dists whose collective can scale the gradient as it moves it (the pooled
+    all-to-all's and the reduce-scatter's ``grad_scale``) do that instead: the same products,
+    without a pass of their own.
 
     Args:
         embeddings: pooled embeddings on their way to (or back from) the output dist.
         world_size: N, the number of ranks whose losses are averaged.
-        in_place: scale the incoming gradient in place; only where it comes straight from an
-            embshard collective's backward (a buffer of its own, read by nobody else), so that
-            no large tensor is allocated per step.
     """
     if world_size == 1 or not embeddings.requires_grad:
         return embeddings
-    out = _ScaleGrad.apply(embeddings, world_size, in_place)
+    out = _ScaleGrad.apply(embeddings, world_size)
     assert isinstance(out, Tensor)
     return out

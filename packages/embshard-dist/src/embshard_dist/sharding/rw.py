@@ -31,7 +31,6 @@ from embshard_dist.sharding.base import (
     ReceivedFeatures,
     ShardingOptions,
     ShardingStepContext,
-    scale_grad,
     shard_config,
     to_wire,
 )
@@ -117,16 +116,17 @@ class RwOutputDist(nn.Module):
         codecs: QuantizedCommCodecs | None = None,
     ) -> None:
         super().__init__()
-        self._reduce_scatter = PooledEmbeddingsReduceScatter(pg, codecs=codecs)
+        # the 1/N rule, applied by the reduce-scatter's backward to the gathered gradient
+        self._reduce_scatter = PooledEmbeddingsReduceScatter(
+            pg, codecs=codecs, grad_scale=1.0 / dist.get_world_size(pg)
+        )
         self._world = dist.get_world_size(pg)
         self._dims = torch.tensor(list(dims), dtype=torch.long)
         self._mean = torch.tensor(list(mean), dtype=torch.bool) if any(mean) else None
 
     def forward(self, embeddings: Tensor, ctx: ShardingStepContext) -> Awaitable[Tensor]:
         """Start the reduce-scatter of ``[sum of batches, sum of dims]`` partial sums."""
-        # the gradient reaching scale_grad is the all-gather's own receive buffer
-        scaled = scale_grad(embeddings, self._world, in_place=True)
-        started = self._reduce_scatter(scaled, ctx.batch_size_per_rank)
+        started = self._reduce_scatter(embeddings, ctx.batch_size_per_rank)
         if self._mean is not None:
             assert ctx.bag_lengths is not None
             divisor = self._divisor(ctx.bag_lengths, embeddings.dtype)
