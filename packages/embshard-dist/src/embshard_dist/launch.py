@@ -17,6 +17,7 @@ code of the first rank that failed (a rank killed by signal S counts as ``128 + 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -101,6 +102,8 @@ def run_rank(
         return 1
     finally:
         sys.stdout.flush()
+        # modules holding the group in reference cycles go now, while the interpreter is whole
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 

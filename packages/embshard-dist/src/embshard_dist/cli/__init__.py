@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,5 +36,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result
 
 
+def console_main() -> int:
+    """The ``embshard`` script: :func:`main`, then, in a rank started by torchrun, a quick exit.
+
+    A torchrun rank has left its process group when ``main`` returns; ending the process with
+    ``os._exit`` skips the interpreter's teardown, where a gloo worker thread still releasing a
+    finished work can need the GIL after Python has let it go and abort the process (rarely, under
+    load: "terminate called without an active exception"). Output is flushed first.
+    """
+    code = main()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -2,6 +2,6 @@
 
 import sys
 
-from embshard_dist.cli import main
+from embshard_dist.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())
