@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from embshard_kernels import hugepages
 from embshard_kernels.fast_pooled import FastPooledPath, RunBatch, fast_path_refusal
 from embshard_kernels.fbgemm_mapping import data_type_to_dtype
 from embshard_kernels.fused_params import FusedParams
@@ -76,7 +77,8 @@ class TorchFusedTBE(nn.Module):
         starts = [0]
         for rows, cols in shapes:
             starts.append(starts[-1] + rows * cols)
-        self.weights = nn.Parameter(torch.zeros(starts[-1], dtype=dtype, device=device))
+        # rows are read and written scattered over the buffer: huge pages where possible
+        self.weights = nn.Parameter(hugepages.zeros(starts[-1], dtype, device))
         self._starts = starts[:-1]
         self._shapes = shapes
         self.feature_table_map = config.feature_table_map()
