@@ -1,5 +1,7 @@
 """The side-by-side driver: embshard against TorchRec, W1 / W2, every sharding type and a mixed plan.
 
+The ``planned`` row runs each library on the plan its own planner picks (see ``planned``).
+
 For each (workload, plan) it spawns ``--world-size`` gloo processes (one thread each) that hold
 BOTH libraries' models and alternate their steps (``worker``); then, unless ``--no-memory``, one
 more group of processes per library that builds that library alone, for its peak RSS per rank.
@@ -36,7 +38,8 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from benchmarks.compare import report
-from benchmarks.compare.plans import PLAN_KINDS, describe, make_plan
+from benchmarks.compare.planned import PLANNED, planned_plans
+from benchmarks.compare.plans import PLAN_KINDS, Plan, describe, make_plan
 from benchmarks.compare.worker import Job, run_rank
 from benchmarks.compare.workloads import WORKLOADS, get
 
@@ -111,12 +114,24 @@ def _environment(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _placement(plan: Plan, world_size: int) -> str:
+    """``"table_wise 26 (13 / 13 tables per rank)"``: a planner's plan in one line."""
+    per_rank = [0] * world_size
+    for tp in plan.values():
+        for r in set(tp.ranks):
+            per_rank[r] += 1
+    kinds = ", ".join(f"{k} {n}" for k, n in describe(plan).items())
+    return f"{kinds} ({' / '.join(map(str, per_rank))} tables per rank)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--plans", nargs="+", default=list(PLAN_KINDS), choices=list(PLAN_KINDS))
+    parser.add_argument(
+        "--plans", nargs="+", default=[*PLAN_KINDS, PLANNED], choices=[*PLAN_KINDS, PLANNED]
+    )
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--steps", type=int, default=20, help="timed steps (>= 10)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (>= 3)")
@@ -147,10 +162,19 @@ def main(argv: list[str] | None = None) -> int:
             contenders = list(args.contenders)
             notes: list[str] = []
             row: dict[str, Any] = {"workload": wl, "plan": kind, "notes": notes}
+            planned = None
             try:
-                row["tables_per_type"] = describe(
-                    make_plan(kind, get(wl), args.world_size, args.local_size or None)
-                )
+                if kind == PLANNED:
+                    planned = planned_plans(
+                        get(wl), args.world_size, args.local_size or args.world_size, contenders
+                    )
+                    row["tables_per_type"] = describe(next(iter(planned.values())))
+                    for name, plan in planned.items():
+                        notes.append(f"{name}'s planner: {_placement(plan, args.world_size)}")
+                else:
+                    row["tables_per_type"] = describe(
+                        make_plan(kind, get(wl), args.world_size, args.local_size or None)
+                    )
             except ValueError as e:
                 row["error"] = f"no {kind} plan for {wl} on {args.world_size} ranks: {e}"
                 rows.append(row)
@@ -178,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 out_dir="",
                 local_size=args.local_size,
+                planned=planned,
             )
             started = time.perf_counter()
             ranks, error = spawn(job, args.world_size)

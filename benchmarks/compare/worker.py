@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.compare.common import Contender, Unsupported
-from benchmarks.compare.plans import make_plan
+from benchmarks.compare.planned import PLANNED
+from benchmarks.compare.plans import Plan, make_plan
 from benchmarks.compare.workloads import Batch, Workload, get
 
 
@@ -53,14 +54,28 @@ class Job:
     out_dir: str
     local_size: int = 0
     memory_only: bool = False
+    planned: dict[str, Plan] | None = None
+    """``plan == "planned"``: contender -> the plan its own planner picked (see ``planned``)."""
 
 
 def build(
-    name: str, workload: Workload, plan_kind: str, rank: int, world: int, local: int = 0
+    name: str,
+    workload: Workload,
+    plan_kind: str,
+    rank: int,
+    world: int,
+    local: int = 0,
+    planned: dict[str, Plan] | None = None,
 ) -> Contender:
-    """Contender ``name`` on this rank (``local``: ranks per node, 0 for one node)."""
+    """Contender ``name`` on this rank (``local``: ranks per node, 0 for one node;
+    ``planned``: the planners' plans, for ``plan_kind == "planned"``)."""
     local = local or world
-    plan = make_plan(plan_kind, workload, world, local)
+    if plan_kind == PLANNED:
+        if planned is None or name not in planned:
+            raise ValueError(f"the 'planned' row needs {name}'s planner's plan")
+        plan = planned[name]
+    else:
+        plan = make_plan(plan_kind, workload, world, local)
     weights = workload.loss_weights(rank)
     if name == "torchrec":
         from benchmarks.compare.torchrec_side import TorchRecSide
@@ -133,7 +148,9 @@ def run_rank(rank: int, world: int, port: int, job: Job) -> None:
         skipped: dict[str, str] = {}
         for name in job.contenders:
             try:
-                sides.append(build(name, workload, job.plan, rank, world, job.local_size))
+                sides.append(
+                    build(name, workload, job.plan, rank, world, job.local_size, job.planned)
+                )
             except Unsupported as e:
                 skipped[name] = str(e)
         result["skipped"] = skipped
