@@ -204,6 +204,7 @@ class FastPooledPath:
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
         self._space = Workspace()
+        self._ones_buffer = torch.ones(0)
         self._prepared: tuple[list[RunBatch], list[RowPlan | None]] | None = None
         first_rows = [sum(r for r, _ in shapes[:t]) for t in range(len(shapes))]
         self._table_firsts = [
@@ -444,7 +445,7 @@ class FastPooledPath:
             unique.long(),  # index_add_ is much slower with int32 indices
             crow,
             bag_of_id,
-            torch.ones(n) if values is None else values,
+            self._ones(n) if values is None else values,
             sample_major_features,
         )
 
@@ -480,6 +481,12 @@ class FastPooledPath:
         summed = self._workspace(run, plan.rows.numel(), bag_grads.shape[1])
         sparse_product(plan.crow, plan.bags, plan.values, bag_grads, summed)
         return plan.rows, summed
+
+    def _ones(self, n: int) -> Tensor:
+        """``n`` ones (float32), a view of one kept buffer: read-only, for unweighted sums."""
+        if self._ones_buffer.numel() < n:
+            self._ones_buffer = torch.ones(n + n // 4)
+        return self._ones_buffer[:n]
 
     def _workspace(self, run: int, rows: int, width: int) -> Tensor:
         """Run ``run``'s reused ``[rows, width]`` float32 buffer."""
