@@ -7,7 +7,8 @@ Modules (import them by path; this package imports nothing itself):
   ``Topology`` (``costs``, ``estimate``), place shards minimising the slowest rank's estimated
   step time under the memory limits (``partition``: greedy, then ``search``: beam / exact), and
   print why (``stats``); ``collective_plan`` plans on one rank and broadcasts;
-* ``topology``: world size, node size, memory per rank and the bandwidths the estimates use;
+* ``topology``: world size, node size, memory per rank and the bandwidths the estimates use
+  (``speeds``: the figures per kernel and per sharding type it holds);
   ``calibrate`` measures them on the machine at hand (``embshard calibrate``), with
   ``probes`` (kernel and memory probes) and ``calibrate_ranks`` (real sharded steps per
   sharding type on the calibrating processes);

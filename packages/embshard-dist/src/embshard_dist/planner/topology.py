@@ -26,7 +26,6 @@ otherwise); ``Topology.from_dict(t.to_dict()) == t`` and ``Topology.load(path)``
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -34,6 +33,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from embshard_dist.planner.speeds import (
+    KernelThroughput,
+    ShardingOverhead,
+    check_keys,
+    check_positive,
+)
 from embshard_types.vocab import ComputeKernel, ShardingType
 
 __all__ = [
@@ -55,125 +60,6 @@ SPARSE_UPDATE = "sparse_update"
 tables, and fused tables whose optimizer FBGEMM cannot run on the device)."""
 
 _GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class KernelThroughput:
-    """How fast one compute kernel moves bytes.
-
-    Args:
-        fwd_bytes_per_s: forward lookup: bytes of rows read plus pooled output written, per
-            second (with ``miss_bytes_per_s`` set: as fast as when the rows are in cache).
-        bwd_bytes_per_s: backward: twice the forward's bytes per second, as FBGEMM's own
-            benchmark counts it (with ``update_bytes_per_s`` unset, the optimizer state bytes
-            of the fused update count here too).
-        update_bytes_per_s: the fused update of the touched rows: per touched row, its weights
-            and gradient read and written plus its optimizer state, per second (``None``: the
-            update is counted in ``bwd_bytes_per_s``).
-        miss_bytes_per_s: the forward's first read of each distinct row a step touches, on top
-            of ``fwd_bytes_per_s`` (rows fetched from memory rather than cache; ``None``:
-            every read costs the same).
-    """
-
-    fwd_bytes_per_s: float
-    bwd_bytes_per_s: float
-    update_bytes_per_s: float | None = None
-    miss_bytes_per_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in _OPTIONAL_THROUGHPUTS:
-                continue
-            _check_positive(f"KernelThroughput.{f.name}", value)
-            object.__setattr__(self, f.name, float(value))
-
-    def to_dict(self) -> dict[str, float]:
-        """The throughputs as a JSON-ready dict (the optional ones only when set)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], what: str = "kernel") -> KernelThroughput:
-        """Inverse of ``to_dict``."""
-        _check_keys(data, tuple(f.name for f in fields(cls)), f"topology {what}")
-        try:
-            return cls(
-                data["fwd_bytes_per_s"],
-                data["bwd_bytes_per_s"],
-                data.get("update_bytes_per_s"),
-                data.get("miss_bytes_per_s"),
-            )
-        except KeyError as e:
-            raise ValueError(f"topology {what} lacks field {e.args[0]!r}") from None
-
-
-_OPTIONAL_THROUGHPUTS = ("update_bytes_per_s", "miss_bytes_per_s")
-
-
-@dataclass(frozen=True)
-class ShardingOverhead:
-    """What using one sharding type costs every rank beyond what the bytes predict.
-
-    Measured by the calibration (see :mod:`embshard_dist.planner.calibrate_ranks`): the latency
-    of the type's collectives and its per-call work on tiny tables, and how much slower (or
-    faster) its lookups and updates run than the kernel throughputs predict (its code path:
-    per-table kernels, row reductions, row exchanges...).
-
-    Args:
-        step_s: seconds per step for using the type at all.
-        per_table_s: seconds per step for each table of that type.
-        compute_scale: factor on the lookup, backward and update time of its shards.
-    """
-
-    step_s: float
-    per_table_s: float = 0.0
-    compute_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value < 0
-                or (f.name == "compute_scale" and value == 0)
-            ):
-                raise ValueError(
-                    f"ShardingOverhead.{f.name} must be a non-negative finite number "
-                    f"(compute_scale positive), got {value!r}"
-                )
-            object.__setattr__(self, f.name, float(value))
-
-    def to_dict(self) -> dict[str, float]:
-        """The figures as a JSON-ready dict."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], what: str) -> ShardingOverhead:
-        """Inverse of ``to_dict`` (a missing ``compute_scale`` is 1, ``per_table_s`` 0)."""
-        _check_keys(data, tuple(f.name for f in fields(cls)), f"topology {what}")
-        if "step_s" not in data:
-            raise ValueError(f"topology {what} lacks field 'step_s'")
-        return cls(data["step_s"], data.get("per_table_s", 0.0), data.get("compute_scale", 1.0))
-
-
-def _check_positive(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-
-
-def _check_keys(data: Any, allowed: tuple[str, ...], what: str) -> None:
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{what} must be a mapping, got {data!r}")
-    unknown = sorted(str(k) for k in data if k not in allowed)
-    if unknown:
-        raise ValueError(f"{what} has unknown field(s) {unknown}; known: {sorted(allowed)}")
 
 
 def _overheads(data: Any) -> MappingProxyType[str, ShardingOverhead]:
@@ -273,10 +159,10 @@ class Topology:
         for name in ("memory_bw", "intra_node_bw", "inter_node_bw", "collective_latency_s"):
             if name == "collective_latency_s" and self.collective_latency_s == 0:
                 continue
-            _check_positive(f"Topology.{name}", getattr(self, name))
+            check_positive(f"Topology.{name}", getattr(self, name))
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.reduce_scatter_bw is not None:
-            _check_positive("Topology.reduce_scatter_bw", self.reduce_scatter_bw)
+            check_positive("Topology.reduce_scatter_bw", self.reduce_scatter_bw)
             object.__setattr__(self, "reduce_scatter_bw", float(self.reduce_scatter_bw))
         if not isinstance(self.kernels, Mapping):
             raise TypeError(f"Topology.kernels must be a mapping, got {self.kernels!r}")
@@ -364,7 +250,7 @@ class Topology:
             ValueError: unknown fields, a missing or newer ``version``, invalid values.
         """
         names = tuple(f.name for f in fields(cls))
-        _check_keys(data, ("version", *names), "topology")
+        check_keys(data, ("version", *names), "topology")
         version = data.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(
