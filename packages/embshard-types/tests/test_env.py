@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,11 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    # leave without the interpreter's teardown, where a gloo worker thread can still need the
+    # GIL and abort the process ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_environments_on_real_process_groups(tmp_path: Path) -> None:
