@@ -69,6 +69,7 @@ class _PooledAllToAllOp:
         self._recv: Tensor | None = None
         self._coder: ChunkCodec | None = None
         self._recv_shapes: list[tuple[int, int]] = []
+        self._own: Tensor | None = None  # the forward's own rows, when they skip the backend
 
     def _exchange(
         self,
@@ -106,13 +107,25 @@ class _PooledAllToAllOp:
     def start_forward(self, input: Tensor) -> None:
         chunks = list(input.split(self._batches, dim=0))
         coder = ChunkCodec(self._codecs.forward if self._codecs else None, input.dtype)
-        recv_shapes = [(self._batches[self._rank], d) for d in self._dims]
+        me, batch = self._rank, self._batches[self._rank]
+        recv_shapes = [(batch, d) for d in self._dims]
+        self._own = None
+        if coder.passthrough and me in (0, len(chunks) - 1) and len(chunks) > 1:
+            # this rank's own rows stay here: the others' rows are then one block of the
+            # input, sent as it is (no copy of it, nor of the own rows, through the backend)
+            self._own = chunks[me]
+            at = sum(self._batches[:me]) + (batch if me == 0 else 0)
+            chunks[me] = input[at:at]
+            recv_shapes[me] = (0, self._dims[me])
         numel = sum(coder.wire_size(b * d) for b, d in recv_shapes)
         self._lent = self._pool.lend(numel, coder.wire_dtype, input.device)
         self._exchange(chunks, recv_shapes, coder, "forward", input, self._lent)
 
     def finish_forward(self) -> Tensor:
-        out = self._assembly.assemble(self._received())
+        parts = self._received()
+        if self._own is not None:
+            parts[self._rank], self._own = self._own, None
+        out = self._assembly.assemble(parts)
         self._return_lent()
         return out
 
