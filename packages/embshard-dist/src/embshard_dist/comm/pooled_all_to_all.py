@@ -13,7 +13,8 @@ Guarantees:
       (each source rank gets back the gradient of the rows it sent);
     * codecs: ``codecs.forward`` encodes what is sent in the forward pass and decodes what
       arrives, ``codecs.backward`` does the same for gradients; each per-peer chunk is coded on
-      its own (see ``_codec``);
+      its own (see ``_codec``); in the forward, the first and the last rank code and decode
+      their own rows in place instead of sending them to themselves;
     * batch sizes may differ per rank (``batch_size_per_rank``), ranks may hold no tables
       (``D_s = 0``);
     * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
@@ -110,10 +111,12 @@ class _PooledAllToAllOp:
         me, batch = self._rank, self._batches[self._rank]
         recv_shapes = [(batch, d) for d in self._dims]
         self._own = None
-        if coder.passthrough and me in (0, len(chunks) - 1) and len(chunks) > 1:
-            # this rank's own rows stay here: the others' rows are then one block of the
-            # input, sent as it is (no copy of it, nor of the own rows, through the backend)
-            self._own = chunks[me]
+        if me in (0, len(chunks) - 1) and len(chunks) > 1:
+            # this rank's own rows stay here (coded and decoded in place when there is a codec,
+            # as if they had travelled): the others' rows are then one block of the input,
+            # sent as it is (no copy of it, nor of the own rows, through the backend)
+            own = chunks[me]  # without a codec, both steps are views: nothing is copied
+            self._own = coder.decode(coder.encode(own), (own.shape[0], own.shape[1]))
             at = sum(self._batches[:me]) + (batch if me == 0 else 0)
             chunks[me] = input[at:at]
             recv_shapes[me] = (0, self._dims[me])
