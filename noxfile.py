@@ -119,25 +119,12 @@ def gpu_tests(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """pytest-benchmark suites; results saved as JSON and compared with the previous run."""
+    """pytest-benchmark suites; the run is saved as JSON and compared with the previous saved
+    run: a benchmark whose fastest round is over 10% slower is measured again, and fails the
+    session only if it stays slower (``benchmarks/bench_gate.py``; pytest arguments after
+    ``--``)."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test", "--group", "bench")
-    storage = "benchmarks/results/pytest"
-    compare: list[str] = []
-    if any(Path(storage).rglob("*.json")):
-        # Fail on a median regression above 10% against the previous saved run.
-        compare = ["--benchmark-compare", "--benchmark-compare-fail=median:10%"]
-    session.run(
-        "pytest",
-        "benchmarks",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--benchmark-only",
-        "--benchmark-autosave",
-        f"--benchmark-storage={storage}",
-        *compare,
-        *session.posargs,
-    )
+    session.run("python", "benchmarks/bench_gate.py", "--", *session.posargs)
 
 
 @nox.session

@@ -242,6 +242,9 @@ def test_collective(benchmark, peer: Peer, op: str) -> None:  # type: ignore[no-
         made += 1
         fn()
 
+    # two ranks and their comm threads share the reference machine's two cores: rounds move
+    # by up to ~20% from one run to the next, so the bench gate allows 25% here
+    benchmark.extra_info["threshold"] = 0.25
     try:
         benchmark.pedantic(call, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
         for _ in range(calls - made):  # keep in lockstep should pytest-benchmark call fewer times

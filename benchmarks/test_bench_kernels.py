@@ -157,6 +157,19 @@ def test_kernel_step(benchmark, kernel: str) -> None:  # type: ignore[no-untyped
     benchmark.pedantic(step, rounds=STEP_ROUNDS, warmup_rounds=STEP_WARMUP, iterations=1)
 
 
+FRESH_OUTPUT_NOTE = (
+    "one row per id: a fresh 42 MB output every round, whose page faults come and go with the "
+    "allocator's state (6 ms or 22 ms on the 2-core reference machine)"
+)
+"""Why a sequence forward is reported but not gated (``bench_gate.py`` reads ``extra_info``)."""
+
+
+def _mark_fresh_output(benchmark, sequence: bool) -> None:  # type: ignore[no-untyped-def]
+    if sequence:
+        benchmark.extra_info["gate"] = "report only"
+        benchmark.extra_info["why"] = FRESH_OUTPUT_NOTE
+
+
 @pytest.mark.parametrize("kernel", TRAINABLE)
 def test_kernel_forward(benchmark, kernel: str) -> None:  # type: ignore[no-untyped-def]
     module = _trainable(kernel)
@@ -166,6 +179,7 @@ def test_kernel_forward(benchmark, kernel: str) -> None:  # type: ignore[no-unty
         with torch.no_grad():
             module(features)
 
+    _mark_fresh_output(benchmark, kernel.endswith("_sequence"))
     benchmark.pedantic(forward, rounds=FORWARD_ROUNDS, warmup_rounds=FORWARD_WARMUP, iterations=1)
 
 
@@ -194,6 +208,7 @@ def test_quant_forward(benchmark, kernel: str) -> None:  # type: ignore[no-untyp
         with torch.no_grad():
             module(features)
 
+    _mark_fresh_output(benchmark, sequence)
     benchmark.pedantic(forward, rounds=FORWARD_ROUNDS, warmup_rounds=FORWARD_WARMUP, iterations=1)
 
 
