@@ -35,6 +35,11 @@ class ChunkCodec:
         self.payload_dtype = dtype
 
     @property
+    def passthrough(self) -> bool:
+        """Whether chunks travel as they are (no codec)."""
+        return self._codec is None
+
+    @property
     def wire_dtype(self) -> torch.dtype:
         """The dtype of what travels."""
         return self._codec.quantized_dtype if self._codec is not None else self.payload_dtype

@@ -83,7 +83,13 @@ class ColumnAssembly:
             out[:, dst : dst + width] = parts[p][:, src : src + width]
         return out
 
-    def split(self, values: Tensor, out: Tensor | None = None, scale: float = 1.0) -> list[Tensor]:
+    def split(
+        self,
+        values: Tensor,
+        out: Tensor | None = None,
+        scale: float = 1.0,
+        direct: tuple[int, Tensor] | None = None,
+    ) -> list[Tensor]:
         """The inverse of :meth:`assemble`: one contiguous ``[batch, w_i]`` per part, the parts
         one after another in one buffer (so an all-to-all sends them without a copy).
 
@@ -93,15 +99,19 @@ class ColumnAssembly:
                 (``None``: a new one).
             scale: multiply the values by this while moving them (``values * scale``, the
                 same bits as scaling first).
+            direct: ``(i, target)``: part ``i`` goes into ``target`` (contiguous
+                ``[batch, w_i]``) instead, and the buffer holds the other parts, in order.
         """
         batch = values.shape[0]
-        flat = values.new_empty(batch * self.width) if out is None else out[: batch * self.width]
+        widths = [0 if direct and p == direct[0] else w for p, w in enumerate(self.widths)]
+        total = batch * sum(widths)
+        flat = values.new_empty(total) if out is None else out[:total]
         parts = [
             chunk.view(batch, w)
-            for chunk, w in zip(
-                flat.split([batch * w for w in self.widths]), self.widths, strict=True
-            )
+            for chunk, w in zip(flat.split([batch * w for w in widths]), widths, strict=True)
         ]
+        if direct is not None:
+            parts[direct[0]] = direct[1]
         for p, src, dst, width in self.runs:
             if scale == 1.0:
                 parts[p][:, src : src + width] = values[:, dst : dst + width]

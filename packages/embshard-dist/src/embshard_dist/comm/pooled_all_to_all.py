@@ -13,8 +13,10 @@ Guarantees:
       (each source rank gets back the gradient of the rows it sent);
     * codecs: ``codecs.forward`` encodes what is sent in the forward pass and decodes what
       arrives, ``codecs.backward`` does the same for gradients; each per-peer chunk is coded on
-      its own (see ``_codec``); in the forward, the first and the last rank code and decode
-      their own rows in place instead of sending them to themselves;
+      its own (see ``_codec``); the first and the last rank code and decode their own rows
+      (forward) and their own rows' gradient (backward) in place instead of sending them to
+      themselves, so the values are those of a round trip and nothing is copied through the
+      backend for them;
     * batch sizes may differ per rank (``batch_size_per_rank``), ranks may hold no tables
       (``D_s = 0``);
     * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
@@ -71,6 +73,8 @@ class _PooledAllToAllOp:
         self._coder: ChunkCodec | None = None
         self._recv_shapes: list[tuple[int, int]] = []
         self._own: Tensor | None = None  # the forward's own rows, when they skip the backend
+        self._grad: Tensor | None = None  # the backward's gradient, when its own rows skip it
+        self._grad_rest: Tensor | None = None  # where the other ranks' rows go in it
 
     def _exchange(
         self,
@@ -134,12 +138,44 @@ class _PooledAllToAllOp:
 
     def start_backward(self, grad_output: Tensor) -> None:
         self._lent = self._pool.lend(grad_output.numel(), grad_output.dtype, grad_output.device)
-        chunks = self._assembly.split(grad_output, self._lent, self._grad_scale)
         coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
-        recv_shapes = [(b, self._dims[self._rank]) for b in self._batches]
+        me, world, width = self._rank, len(self._batches), self._dims[self._rank]
+        recv_shapes = [(b, width) for b in self._batches]
+        self._grad = None
+        if me in (0, world - 1) and world > 1:
+            # the gradient of this rank's own rows is cut straight into its place in the
+            # gradient handed on (coded and decoded in place when there is a codec, as if it
+            # had travelled); the other ranks' rows arrive around it, in one block
+            self._grad = grad_output.new_empty(sum(self._batches), width)
+            start = sum(self._batches[:me])
+            own = self._grad[start : start + self._batches[me]]
+            chunks = self._assembly.split(grad_output, self._lent, self._grad_scale, (me, own))
+            if not coder.passthrough:
+                own.copy_(coder.decode(coder.encode(own), (own.shape[0], width)))
+            # an empty own chunk where the others' block starts (first rank) or ends (last)
+            at = 0 if me == 0 else sum(c.numel() for r, c in enumerate(chunks) if r != me)
+            chunks[me] = self._lent[at:at]
+            recv_shapes[me] = (0, width)
+            flat = self._grad.view(-1)
+            rest = flat[own.numel() :] if me == 0 else flat[: start * width]
+            # without a codec the others' rows land in place; with one they are decoded there
+            into = rest if coder.passthrough else None
+            self._exchange(chunks, recv_shapes, coder, "backward", grad_output, into)
+            self._grad_rest = rest
+            return
+        chunks = self._assembly.split(grad_output, self._lent, self._grad_scale)
         self._exchange(chunks, recv_shapes, coder, "backward", grad_output)
 
     def finish_backward(self) -> Tensor:
+        if self._grad is not None:
+            assert self._coder is not None and self._grad_rest is not None
+            passthrough, rest = self._coder.passthrough, self._grad_rest
+            parts = self._received()
+            if not passthrough:
+                torch.cat([p.reshape(-1) for p in parts], out=rest)
+            out, self._grad, self._grad_rest = self._grad, None, None
+            self._return_lent()
+            return out
         out = join_rows(self._received())
         self._return_lent()
         return out
