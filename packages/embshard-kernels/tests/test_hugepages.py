@@ -54,3 +54,28 @@ def test_large_buffers_get_huge_pages_where_the_kernel_gives_them_on_request() -
     # 2 MiB pages where the kernel has them free (most of the buffer on a quiet machine)
     assert _anon_huge_kib() - before >= 2048, "not one huge page was given"
     del out
+
+
+@pytest.mark.parametrize("numel", [5, hugepages.MIN_BYTES // 4 + 1])
+def test_empty_has_the_asked_shape_and_is_writable(numel: int) -> None:
+    out = hugepages.empty((numel, 1), torch.float32)
+    assert out.shape == (numel, 1) and out.dtype == torch.float32 and out.is_contiguous()
+    out.fill_(2.0)
+    assert bool((out == 2.0).all())
+
+
+def test_sequence_lookup_without_autograd_equals_the_autograd_path() -> None:
+    from embshard_kernels.lookup import sequence_lookup
+
+    torch.manual_seed(0)
+    tables = [torch.randn(50, 8), torch.randn(30, 8)]
+    lengths = torch.tensor([2, 0, 3, 1, 4, 2])  # 2 features x batch 3
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    ids = torch.cat([torch.randint(0, 50, (5,)), torch.randint(0, 30, (7,))])
+    with torch.no_grad():
+        fast = sequence_lookup(tables, [0, 1], ids, offsets)
+    grads = [t.clone().requires_grad_() for t in tables]
+    slow = sequence_lookup(grads, [0, 1], ids, offsets)
+    assert slow.requires_grad and not fast.requires_grad
+    assert torch.equal(fast, slow.detach())
+    assert torch.equal(fast, torch.cat([tables[0][ids[:5]], tables[1][ids[5:]]]))

@@ -7,7 +7,7 @@ them (``madvise(MADV_HUGEPAGE)``, the kernel's ``madvise`` THP mode, a common de
 about a tenth.
 
 :func:`zeros` allocates a CPU tensor, asks for huge pages over it before its first touch, then
-zeroes it. Guarantees: the result is an ordinary zero-filled tensor whatever happens; the advice
+zeroes it; :func:`empty` does the same without zeroing (for large outputs written at once). Guarantees: the result is an ordinary zero-filled tensor whatever happens; the advice
 is given only on Linux, on the CPU, for buffers of at least :data:`MIN_BYTES`, when the kernel's
 THP mode is ``madvise`` or ``always`` and ``EMBSHARD_HUGEPAGES`` is not ``0``; any failure of
 the advice is ignored (it changes speed, never values).
@@ -23,7 +23,7 @@ import sys
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_BYTES", "zeros"]
+__all__ = ["MIN_BYTES", "empty", "zeros"]
 
 MIN_BYTES = 32 * 2**20
 """Smaller buffers are allocated as they are (few TLB misses to save)."""
@@ -63,6 +63,22 @@ def _advise_huge(t: Tensor) -> None:
     last = end // _HUGE * _HUGE
     if last > first:
         advise(first, last - first, _MADV_HUGEPAGE)
+
+
+def empty(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None
+) -> Tensor:
+    """An uninitialised tensor; on the CPU, a large one on huge pages where possible (its pages
+    then fault in 2 MiB at a time: a fresh output of tens of MB costs a few faults, not
+    thousands)."""
+    where = torch.device(device) if device is not None else torch.device("cpu")
+    numel = 1
+    for n in shape:
+        numel *= n
+    out = torch.empty(shape, dtype=dtype, device=where)
+    if where.type == "cpu" and numel * out.element_size() >= MIN_BYTES:
+        _advise_huge(out)
+    return out
 
 
 def zeros(numel: int, dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:

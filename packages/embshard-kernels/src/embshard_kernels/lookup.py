@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from embshard_kernels import hugepages
 from embshard_types.vocab import PoolingType
 
 
@@ -157,9 +158,25 @@ def sequence_lookup(
     offsets: Tensor,
     layout: CallLayout | None = None,
 ) -> Tensor:
-    """One row per id, ``[ids, dim]`` (every table must have the same width)."""
+    """One row per id, ``[ids, dim]`` (every table must have the same width).
+
+    Without autograd the rows are gathered straight into one output, on huge pages when it is
+    large (a fresh output of tens of MB otherwise faults every 4 KiB page; see ``hugepages``).
+    """
     layout = layout or CallLayout.of(offsets, len(feature_table_map), None)
-    rows = [F.embedding(layout.ids(indices, f), tables[t]) for f, t in enumerate(feature_table_map)]
-    if not rows:
+    if not feature_table_map:
         return indices.new_zeros((0, 0), dtype=torch.float32)
-    return torch.cat(rows) if len(rows) > 1 else rows[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
+        rows = [
+            F.embedding(layout.ids(indices, f), tables[t]) for f, t in enumerate(feature_table_map)
+        ]
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+    first = tables[feature_table_map[0]]
+    count = layout.id_bounds[len(feature_table_map)] - layout.id_bounds[0]
+    out = hugepages.empty((count, first.shape[1]), first.dtype, first.device)
+    at = 0
+    for f, t in enumerate(feature_table_map):
+        ids = layout.ids(indices, f)
+        torch.index_select(tables[t], 0, ids, out=out[at : at + ids.numel()])
+        at += ids.numel()
+    return out
