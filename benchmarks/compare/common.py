@@ -1,4 +1,5 @@
-"""What both contenders share: the step protocol, the loss, KJT inputs and weight loading.
+"""What both contenders share: the step protocol, the loss, KJT inputs and weight loading, the
+module that roots a collection, and how a spawned rank joins its group.
 
 A contender is built on one rank of an initialised gloo group and exposes ``forward`` (pooled
 outputs by feature, no gradient) and ``step`` (forward, backward with the optimizer fused in,
@@ -9,11 +10,14 @@ the workload's initial weights into a sharded state dict in place, whatever the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from benchmarks.compare.plans import Plan, Shard, TablePlan
 from benchmarks.compare.workloads import Batch, Workload
@@ -34,6 +38,33 @@ class Contender(Protocol):
     def step(self, batch: Batch) -> None:
         """One training step: forward, backward (optimizer fused in), any optimizer step."""
         ...
+
+
+class Root(nn.Module):
+    """Holds a collection as ``.ebc`` (the module path the plans name) and calls it."""
+
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt: Any) -> Any:
+        return self.ebc(kjt)
+
+
+def join_group(rank: int, world: int, port: int, threads: int, local_size: int = 0) -> None:
+    """Set the rank's launcher variables, its torch threads, and join the gloo group on
+    ``127.0.0.1:port`` (``local_size``: ranks per node, 0 for one node)."""
+    local = local_size or world
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % local),
+        LOCAL_WORLD_SIZE=str(local),
+    )
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
 
 
 class Unsupported(Exception):

@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from benchmarks.compare.common import (
     EPS,
     LEARNING_RATE,
+    Root,
     Unsupported,
     check_tables,
     load_global_weights,
@@ -35,15 +36,6 @@ from benchmarks.compare.plans import Plan, Shard, TablePlan
 from benchmarks.compare.workloads import Batch, Workload
 
 MODULE = "ebc"
-
-
-class _Root(nn.Module):
-    def __init__(self, ebc: nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt: Any) -> Any:
-        return self.ebc(kjt)
 
 
 def _sharder(local_size: int | None = None) -> Any:
@@ -161,7 +153,7 @@ class EmbshardSide:
         ]
         spec = _spec()
         sharder = _sharder(local_size)
-        root = _Root(EmbeddingBagCollection(tables, device="meta", optimizer=spec))
+        root = Root(EmbeddingBagCollection(tables, device="meta", optimizer=spec))
         module_plan = _embshard_plan(plan, workload, world_size, local_size, sharder)
         self.model = DistributedModelParallel(
             root,

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from benchmarks.compare.common import (
     EPS,
     LEARNING_RATE,
+    Root,
     check_tables,
     load_global_weights,
     loss_weights_in_order,
@@ -39,15 +40,6 @@ from benchmarks.compare.plans import Plan, Shard, TablePlan
 from benchmarks.compare.workloads import Batch, Workload
 
 MODULE = "ebc"
-
-
-class _Root(nn.Module):
-    def __init__(self, ebc: nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt: Any) -> Any:
-        return self.ebc(kjt)
 
 
 def _torchrec_plan(plan: Plan, ebc: nn.Module, sharder: Any, world: int, local: int) -> Any:
@@ -152,7 +144,7 @@ class TorchRecSide:
             )
             for t in workload.tables
         ]
-        root = _Root(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
+        root = Root(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
         sharder = EmbeddingBagCollectionSharder(
             fused_params={
                 "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import time
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.compare.common import Contender, Unsupported
+from benchmarks.compare.common import Contender, Unsupported, join_group
 from benchmarks.compare.planned import PLANNED
 from benchmarks.compare.plans import Plan, make_plan
 from benchmarks.compare.workloads import Batch, Workload, get
@@ -129,16 +127,7 @@ def _quiet() -> None:
 def run_rank(rank: int, world: int, port: int, job: Job) -> None:
     """Entry point of one spawned rank (``torch.multiprocessing.spawn``)."""
     _quiet()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank % (job.local_size or world)),
-        LOCAL_WORLD_SIZE=str(job.local_size or world),
-    )
-    torch.set_num_threads(job.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    join_group(rank, world, port, job.threads, job.local_size)
     result: dict[str, object] = {"rank": rank}
     try:
         workload = get(job.workload, job.seed)

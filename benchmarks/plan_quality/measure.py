@@ -18,21 +18,19 @@ The figure of a plan is its slowest rank's median step (``summarize``).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.compare.common import loss_weights_in_order
+from benchmarks.compare.common import Root, join_group, load_global_weights, loss_weights_in_order
 from benchmarks.compare.workloads import Batch, get
 from benchmarks.plan_quality.tables import MODULE, embedding_bag_configs, optimizer_spec
 
@@ -52,15 +50,6 @@ class MeasureJob:
     out_dir: str = ""
 
 
-class _Root(torch.nn.Module):
-    def __init__(self, ebc: torch.nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt: Any) -> Any:
-        return self.ebc(kjt)
-
-
 class PlanRunner:
     """One plan's sharded model on this rank, with the harness's step."""
 
@@ -70,7 +59,7 @@ class PlanRunner:
         from embshard_kernels.collections import EmbeddingBagCollection
 
         spec = optimizer_spec()
-        root = _Root(
+        root = Root(
             EmbeddingBagCollection(embedding_bag_configs(workload), device="meta", optimizer=spec)
         )
         self.label = label
@@ -104,22 +93,12 @@ class PlanRunner:
         ((kt.values() * self._arranged).sum() / batch_size).backward()
 
 
-def _copy_into(value: Any, full: torch.Tensor) -> None:
-    if hasattr(value, "local_shards"):
-        for shard in value.local_shards():
-            (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-            shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
-    else:
-        value.copy_(full)
-
-
 def _load_weights(runners: list[PlanRunner], workload: Any) -> None:
-    states = [r.weights() for r in runners]
-    with torch.no_grad():
-        for i, table in enumerate(workload.tables):
-            full = workload.initial_weight(i)
-            for state in states:
-                _copy_into(state[table.name], full)
+    """Every runner's shards from the workload's initial weights (each table drawn once)."""
+    states = {
+        f"{i}/{table}": value for i, r in enumerate(runners) for table, value in r.weights().items()
+    }
+    load_global_weights(states, workload, lambda key: key.split("/", 1)[1])
 
 
 def _all_max(value: float) -> float:
@@ -138,16 +117,7 @@ def run_rank(rank: int, world: int, port: int, job: MeasureJob) -> None:
     """Entry point of one spawned rank."""
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(job.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    join_group(rank, world, port, job.threads)
     result: dict[str, Any] = {"rank": rank}
     try:
         from embshard_types.plan import ShardingPlan
