@@ -27,16 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .w1_job import PLANS as W1_JOB_PLANS  # asv imports this package without the root
+
 ROOT = Path(__file__).resolve().parents[2]
-PLANS = [
-    "data_parallel",
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "table_row_wise",
-    "grid_shard",
-    "mixed",
-]
+PLANS = list(W1_JOB_PLANS)
 STEPS = int(os.environ.get("EMBSHARD_ASV_W1_STEPS", "5"))
 WARMUP = int(os.environ.get("EMBSHARD_ASV_W1_WARMUP", "2"))
 
