@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 STORAGE = Path("benchmarks/results/pytest")
 
@@ -34,29 +35,15 @@ def _latest_saved() -> Path | None:
     return runs[-1] if runs else None
 
 
-def _fastest(report: Path) -> dict[str, float]:
-    """Benchmark full name -> its fastest round (seconds)."""
+def _benchmarks(report: Path) -> dict[str, dict[str, Any]]:
+    """Benchmark full name -> its record in a pytest-benchmark JSON report."""
     data = json.loads(report.read_text())
-    return {b["fullname"]: float(b["stats"]["min"]) for b in data.get("benchmarks", [])}
+    return {b["fullname"]: b for b in data.get("benchmarks", [])}
 
 
-def _thresholds(report: Path, default: float) -> dict[str, float]:
-    """Benchmark full name -> its allowed slowdown (``extra_info["threshold"]``, else default)."""
-    data = json.loads(report.read_text())
-    return {
-        b["fullname"]: float(b.get("extra_info", {}).get("threshold", default))
-        for b in data.get("benchmarks", [])
-    }
-
-
-def _report_only(report: Path) -> dict[str, str]:
-    """Benchmarks that ask not to be gated (``extra_info["gate"] == "report only"``), why."""
-    data = json.loads(report.read_text())
-    return {
-        b["fullname"]: str(b.get("extra_info", {}).get("why", ""))
-        for b in data.get("benchmarks", [])
-        if b.get("extra_info", {}).get("gate") == "report only"
-    }
+def _fastest(records: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Benchmark -> its fastest round (seconds)."""
+    return {name: float(b["stats"]["min"]) for name, b in records.items()}
 
 
 def _pytest(args: list[str], report: Path, *, save: bool) -> int:
@@ -75,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
     baseline_file = _latest_saved()
-    baseline = _fastest(baseline_file) if baseline_file else {}
+    baseline = _fastest(_benchmarks(baseline_file)) if baseline_file else {}
     with tempfile.TemporaryDirectory() as tmp:
         first = Path(tmp, "run.json")
         code = _pytest(["benchmarks", *args.pytest_args], first, save=True)
@@ -84,9 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         if not baseline:
             print("bench gate: no previous saved run; this run is the baseline")
             return 0
-        limit = {n: 1.0 + t for n, t in _thresholds(first, args.threshold).items()}
-        best = _fastest(first)
-        ungated = _report_only(first)
+        records = _benchmarks(first)
+        extra = {name: b.get("extra_info", {}) for name, b in records.items()}
+        limit = {n: 1.0 + float(e.get("threshold", args.threshold)) for n, e in extra.items()}
+        ungated = {
+            n: str(e.get("why", "")) for n, e in extra.items() if e.get("gate") == "report only"
+        }
+        best = _fastest(records)
         suspects = [
             n
             for n, t in best.items()
@@ -99,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             again = Path(tmp, f"again{attempt}.json")
             if _pytest(suspects, again, save=False) != 0:
                 return 1
-            for name, t in _fastest(again).items():
+            for name, t in _fastest(_benchmarks(again)).items():
                 best[name] = min(best[name], t)
             suspects = [n for n in suspects if best[n] > baseline[n] * limit[n]]
     print(f"bench gate: baseline {baseline_file.name}; fastest round against it:")
