@@ -71,21 +71,12 @@ def empty(
     """An uninitialised tensor; on the CPU, a large one on huge pages where possible (its pages
     then fault in 2 MiB at a time: a fresh output of tens of MB costs a few faults, not
     thousands)."""
-    where = torch.device(device) if device is not None else torch.device("cpu")
-    numel = 1
-    for n in shape:
-        numel *= n
-    out = torch.empty(shape, dtype=dtype, device=where)
-    if where.type == "cpu" and numel * out.element_size() >= MIN_BYTES:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if out.device.type == "cpu" and out.numel() * dtype.itemsize >= MIN_BYTES:
         _advise_huge(out)
     return out
 
 
 def zeros(numel: int, dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
     """A flat zero-filled tensor; on the CPU, a large one on huge pages where possible."""
-    where = torch.device(device) if device is not None else torch.device("cpu")
-    if where.type != "cpu" or numel * torch.empty(0, dtype=dtype).element_size() < MIN_BYTES:
-        return torch.zeros(numel, dtype=dtype, device=device)
-    out = torch.empty(numel, dtype=dtype, device=where)
-    _advise_huge(out)
-    return out.zero_()
+    return empty((numel,), dtype, device).zero_()

@@ -45,7 +45,9 @@ def console_main() -> int:
     load: "terminate called without an active exception"). Output is flushed first.
     """
     code = main()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    from embshard_dist.launch import launched_by_torchrun  # torch is loaded by now
+
+    if launched_by_torchrun():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

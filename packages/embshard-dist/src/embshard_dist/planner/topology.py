@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from embshard_dist.planner.speeds import (
     KernelThroughput,
@@ -61,21 +61,31 @@ tables, and fused tables whose optimizer FBGEMM cannot run on the device)."""
 
 _GIB = 1024**3
 
+_F = TypeVar("_F", KernelThroughput, ShardingOverhead)
 
-def _overheads(data: Any) -> MappingProxyType[str, ShardingOverhead]:
+
+def _figures(
+    data: Any, field_name: str, key_of: Callable[[Any], str], kind: type[_F], what: str
+) -> MappingProxyType[str, _F]:
+    """A mapping of figures checked and frozen: keys normalised by ``key_of``, values of
+    ``kind`` or dicts read by ``kind.from_dict`` (``what``: how an entry is named in errors)."""
     if not isinstance(data, Mapping):
-        raise TypeError(f"Topology.sharding_overheads must be a mapping, got {data!r}")
-    out: dict[str, ShardingOverhead] = {}
+        raise TypeError(f"Topology.{field_name} must be a mapping, got {data!r}")
+    out: dict[str, _F] = {}
     for key, value in data.items():
-        kind = ShardingType.parse(key, what="topology sharding_overheads").value
+        k = key_of(key)
         if isinstance(value, Mapping):
-            value = ShardingOverhead.from_dict(value, what=f"sharding overhead {kind!r}")
-        if not isinstance(value, ShardingOverhead):
+            value = kind.from_dict(value, what=f"{what} {k!r}")
+        if not isinstance(value, kind):
             raise TypeError(
-                f"Topology.sharding_overheads[{kind!r}] must be a ShardingOverhead, got {value!r}"
+                f"Topology.{field_name}[{k!r}] must be a {kind.__name__}, got {value!r}"
             )
-        out[kind] = value
+        out[k] = value
     return MappingProxyType(out)
+
+
+def _sharding_type_key(key: Any) -> str:
+    return ShardingType.parse(key, what="topology sharding_overheads").value
 
 
 def _kernel_key(key: ComputeKernel | str) -> str:
@@ -164,24 +174,20 @@ class Topology:
         if self.reduce_scatter_bw is not None:
             check_positive("Topology.reduce_scatter_bw", self.reduce_scatter_bw)
             object.__setattr__(self, "reduce_scatter_bw", float(self.reduce_scatter_bw))
-        if not isinstance(self.kernels, Mapping):
-            raise TypeError(f"Topology.kernels must be a mapping, got {self.kernels!r}")
-        kernels: dict[str, KernelThroughput] = {}
-        for key, value in self.kernels.items():
-            k = _kernel_key(key)
-            if isinstance(value, Mapping):
-                value = KernelThroughput.from_dict(value, what=f"kernel {k!r}")
-            if not isinstance(value, KernelThroughput):
-                raise TypeError(
-                    f"Topology.kernels[{k!r}] must be a KernelThroughput, got {value!r}"
-                )
-            kernels[k] = value
+        kernels = _figures(self.kernels, "kernels", _kernel_key, KernelThroughput, "kernel")
         if ComputeKernel.FUSED.value not in kernels:
             raise ValueError(
                 "Topology.kernels needs an entry for 'fused' (the fallback of every kernel)"
             )
-        object.__setattr__(self, "kernels", MappingProxyType(kernels))
-        object.__setattr__(self, "sharding_overheads", _overheads(self.sharding_overheads))
+        object.__setattr__(self, "kernels", kernels)
+        overheads = _figures(
+            self.sharding_overheads,
+            "sharding_overheads",
+            _sharding_type_key,
+            ShardingOverhead,
+            "sharding overhead",
+        )
+        object.__setattr__(self, "sharding_overheads", overheads)
         if not isinstance(self.source, str):
             raise TypeError(f"Topology.source must be a str, got {self.source!r}")
 
