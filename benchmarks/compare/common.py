@@ -11,6 +11,7 @@ the workload's initial weights into a sharded state dict in place, whatever the 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Protocol
@@ -65,6 +66,13 @@ def join_group(rank: int, world: int, port: int, threads: int, local_size: int =
     )
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Unsupported(Exception):

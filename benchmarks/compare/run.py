@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from benchmarks.compare import report
+from benchmarks.compare.common import free_port
 from benchmarks.compare.planned import PLANNED, planned_plans
 from benchmarks.compare.plans import PLAN_KINDS, Plan, describe, make_plan
 from benchmarks.compare.worker import Job, run_rank
@@ -47,19 +47,13 @@ CONTENDERS = ("embshard", "torchrec")
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "compare"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def spawn(job: Job, world: int) -> tuple[list[dict[str, Any]], str | None]:
     """Run ``job`` on ``world`` fresh processes; each rank's result and the error, if any."""
     with tempfile.TemporaryDirectory(prefix="embshard-compare-") as tmp:
         job = Job(**{**job.__dict__, "out_dir": tmp})
         error = None
         try:
-            mp.spawn(run_rank, args=(world, _free_port(), job), nprocs=world, join=True)
+            mp.spawn(run_rank, args=(world, free_port(), job), nprocs=world, join=True)
         except Exception as e:  # a rank raised: keep what the ranks wrote, report the error
             error = (
                 f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

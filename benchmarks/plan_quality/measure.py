@@ -18,7 +18,6 @@ The figure of a plan is its slowest rank's median step (``summarize``).
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -30,7 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.compare.common import Root, join_group, load_global_weights, loss_weights_in_order
+from benchmarks.compare.common import (
+    Root,
+    free_port,
+    join_group,
+    load_global_weights,
+    loss_weights_in_order,
+)
 from benchmarks.compare.workloads import Batch, get
 from benchmarks.plan_quality.tables import MODULE, embedding_bag_configs, optimizer_spec
 
@@ -159,12 +164,6 @@ def run_rank(rank: int, world: int, port: int, job: MeasureJob) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(job: MeasureJob, world: int) -> list[dict[str, Any]]:
     """Run ``job`` on ``world`` fresh processes; each rank's result (an ``error`` key if any)."""
     import torch.multiprocessing as mp
@@ -173,7 +172,7 @@ def measure(job: MeasureJob, world: int) -> list[dict[str, Any]]:
         job = replace(job, out_dir=tmp)
         error = None
         try:
-            mp.spawn(run_rank, args=(world, _free_port(), job), nprocs=world, join=True)
+            mp.spawn(run_rank, args=(world, free_port(), job), nprocs=world, join=True)
         except Exception as e:
             lines = str(e).strip().splitlines()
             error = f"{type(e).__name__}: {lines[-1] if lines else ''}"

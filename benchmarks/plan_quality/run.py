@@ -8,22 +8,27 @@ For each workload (W1, W2 of ``shared/benchmarks.md``; 2 gloo ranks, 1 thread ea
    calibrations' predictions, and the report shows how far apart they were), unless
    ``--topology FILE`` gives one;
 2. the plans: every single sharding type applied to all tables (the side-by-side harness's
-   layouts), embshard's planner's plan for that topology, and, when TorchRec imports, TorchRec's
+   layouts), embshard's planner's plan for that topology, when TorchRec imports, TorchRec's
    planner's plan for ``Topology(world_size=2, compute_device="cpu")`` on the same tables,
-   pooling factor and batch size;
+   pooling factor and batch size, and the hand-made mixtures of
+   ``benchmarks.plan_quality.alternatives`` (what else a planner could pick);
 3. the estimate of each plan (``embshard_dist.planner.estimate.estimate_plan``: predicted step
    time per rank; a plan's prediction is its slowest rank's);
 4. the measurement: embshard executes every plan in the same processes, interleaved (see
    ``benchmarks.plan_quality.measure``); a plan's step time is its slowest rank's median;
-5. the report: predicted vs measured ms per plan and rank, the estimator's error, and each plan's
-   ratio to TorchRec's planner's plan and to the best single sharding type.
+5. the compute floor (``benchmarks.plan_quality.floor``): the global batch's lookups and
+   updates with no communication, in this process divided by the ranks, and split over the
+   ranks' processes running at once; no plan's slowest rank does less;
+6. the report: predicted vs measured ms per plan and rank, the estimator's error, each plan's
+   ratio to TorchRec's planner's plan and to the best single sharding type, and how far each
+   plan sits above the compute floor.
 
 Usage (from the repository root; TorchRec's plan needs the ``compare`` nox environment)::
 
     .nox/compare/bin/python -m benchmarks.plan_quality.run [--workload W1 W2]
         [--topology topo.json] [--save-topology topo.json] [--calibration-reps 9]
         [--steps 10] [--warmup 3] [--plans table_wise embshard-planner ...]
-        [--estimate-only] [--json out.json]
+        [--no-floor] [--estimate-only] [--json out.json]
 
 Exit status 1 when a measurement failed or the forward check did not pass.
 """
@@ -41,6 +46,8 @@ from typing import Any
 
 from benchmarks.compare.plans import SHARDING_TYPES
 from benchmarks.compare.workloads import WORKLOADS, get
+from benchmarks.plan_quality.alternatives import MIXTURES, alternative_plans
+from benchmarks.plan_quality.floor import compute_floor, contended_floor
 from benchmarks.plan_quality.measure import MeasureJob, measure, summarize
 from benchmarks.plan_quality.plans import (
     EMBSHARD_PLANNER,
@@ -58,7 +65,7 @@ from benchmarks.plan_quality.tables import (
 )
 
 WORLD = 2
-PLAN_LABELS = (*SHARDING_TYPES, EMBSHARD_PLANNER, TORCHREC_PLANNER)
+PLAN_LABELS = (*SHARDING_TYPES, EMBSHARD_PLANNER, TORCHREC_PLANNER, *MIXTURES)
 
 
 def _topology(args: argparse.Namespace) -> Any:
@@ -87,6 +94,7 @@ def _mean_prediction(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def _plans(wl: Any, labels: list[str], topo: Any) -> tuple[dict[str, Any], list[str]]:
     plans: dict[str, Any] = {}
     notes: list[str] = []
+    mixtures = alternative_plans(wl, WORLD)
     for label in labels:
         if label in SHARDING_TYPES:
             plans[label] = single_type_plan(label, wl, WORLD)
@@ -99,6 +107,10 @@ def _plans(wl: Any, labels: list[str], topo: Any) -> tuple[dict[str, Any], list[
                 notes.append(f"{TORCHREC_PLANNER} skipped: {why}")
                 continue
             plans[label] = torchrec_planner_plan(wl, WORLD)
+        elif label in mixtures:
+            plans[label] = mixtures[label]
+        else:
+            notes.append(f"{label} skipped: no table of {wl.name} is small or large enough")
     return plans, notes
 
 
@@ -120,23 +132,24 @@ def _fmt_ranks(values: list[float]) -> str:
     return " / ".join(f"{v:.1f}" for v in values)
 
 
-def report(wl: str, rows: list[dict[str, Any]]) -> str:
-    """The table of one workload: predicted vs measured, error, ratios."""
+def report(wl: str, rows: list[dict[str, Any]], floor: dict[str, Any] | None = None) -> str:
+    """The table of one workload: predicted vs measured, error, ratios, and (given the compute
+    floor) how much of each measured step a plan could change at all."""
     measured = {r["plan"]: r["measured"]["ms"] for r in rows if "measured" in r}
     singles = [measured[k] for k in SHARDING_TYPES if k in measured]
     best_single = min(singles) if singles else None
     torchrec = measured.get(TORCHREC_PLANNER)
     head = (
         f"| {wl} plan | tables per type | predicted ms (rank 0 / 1) | measured ms (rank 0 / 1) "
-        "| error | calibration drift | / torchrec-planner | / best single type |"
+        "| error | calibration drift | / torchrec-planner | / best single type | above floor ms |"
     )
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         p = r["predicted"]
         if "measured" not in r:
             lines.append(
                 f"| {r['plan']} | {r['types']} | {p['ms']:.1f} ({_fmt_ranks(p['rank_ms'])}) "
-                "| - | - | - | - | - |"
+                "| - | - | - | - | - | - |"
             )
             continue
         m = r["measured"]
@@ -144,11 +157,28 @@ def report(wl: str, rows: list[dict[str, Any]]) -> str:
         drift = f"{p['drift'] * 100:.0f}%" if "drift" in p else "-"
         vs_tr = f"{m['ms'] / torchrec:.2f}" if torchrec else "-"
         vs_best = f"{m['ms'] / best_single:.2f}" if best_single else "-"
+        above = f"{m['ms'] - floor['contended_ms']:.1f}" if floor else "-"
         lines.append(
             f"| {r['plan']} | {r['types']} | {p['ms']:.1f} ({_fmt_ranks(p['rank_ms'])}) | "
             f"{m['ms']:.1f} ({_fmt_ranks(m['rank_ms'])}) | {err:+.0f}% | {drift} | {vs_tr} | "
-            f"{vs_best} |"
+            f"{vs_best} | {above} |"
         )
+    if floor:
+        lines.append("")
+        lines.append(
+            f"Compute floor (no communication): {floor['floor_ms']:.1f} ms per rank alone (the "
+            f"global batch's lookups and updates in one process, {floor['global_step_ms']:.1f} "
+            f"ms, / {floor['world']}); {floor['contended_ms']:.1f} ms with the ranks' processes "
+            f"stepping their shares at once ({_fmt_ranks(floor['contended_rank_ms'])}). "
+            "'above floor' is a plan's step minus the latter."
+        )
+        if torchrec:
+            target = 0.85 * torchrec
+            lines.append(
+                f"0.85 x torchrec-planner = {target:.1f} ms: a plan must spend at most "
+                f"{target - floor['contended_ms']:.1f} ms above the floor where torchrec-planner's "
+                f"spends {torchrec - floor['contended_ms']:.1f} ms."
+            )
     return "\n".join(lines)
 
 
@@ -186,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--calibration-reps", type=int, default=9, help="calibration rounds")
     parser.add_argument("--estimate-only", action="store_true", help="print estimates only")
+    parser.add_argument("--no-floor", action="store_true", help="skip the compute floor")
     parser.add_argument("--json", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.steps < 10 or args.warmup < 3:
@@ -206,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             for label, plan in plans.items()
         ]
         topologies = [topo.to_dict()]
+        floor = None
+        if not (args.estimate_only or args.no_floor):
+            floor = compute_floor(wl, WORLD, args.steps, args.warmup, args.threads)
+            both = contended_floor(wl, WORLD, args.steps, args.warmup)
+            floor.update(contended_ms=both["floor_ms"], contended_rank_ms=both["rank_ms"])
+            print(f"{name}: compute floor {floor}", flush=True)
         if not args.estimate_only:
             job = MeasureJob(
                 name,
@@ -232,9 +269,14 @@ def main(argv: list[str] | None = None) -> int:
                         row["predicted"], _estimate(plan, wl, after)
                     )
         print()
-        print(report(name, rows), flush=True)
+        print(report(name, rows, floor), flush=True)
         print()
-        results["workloads"][name] = {"rows": rows, "notes": notes, "topologies": topologies}
+        results["workloads"][name] = {
+            "rows": rows,
+            "notes": notes,
+            "topologies": topologies,
+            "floor": floor,
+        }
     env["load_average_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
