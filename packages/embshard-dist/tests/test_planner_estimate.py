@@ -7,13 +7,8 @@ import itertools
 import pytest
 
 from embshard_dist.planner.constraints import ParameterConstraints
-from embshard_dist.planner.costs import (
-    CostModel,
-    holder_cost,
-    load_tables,
-    replica_cost,
-    sharding_costs,
-)
+from embshard_dist.planner.cost_model import CostModel, load_tables
+from embshard_dist.planner.costs import holder_cost, replica_cost, sharding_costs
 from embshard_dist.planner.enumerate import (
     SHARDING_TYPE_ORDER,
     DefaultCapabilities,

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from embshard_dist.planner.constraints import ParameterConstraints
-from embshard_dist.planner.costs import CostModel, load_tables
+from embshard_dist.planner.cost_model import CostModel, load_tables
 from embshard_dist.planner.enumerate import DefaultCapabilities, enumerate_options
 from embshard_dist.planner.loads import LoadState, PartitionContext
 from embshard_dist.planner.partition import greedy, improve, partition

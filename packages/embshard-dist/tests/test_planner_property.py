@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from embshard_dist.planner.constraints import ParameterConstraints
-from embshard_dist.planner.costs import CostModel, load_tables, usable_memory
+from embshard_dist.planner.cost_model import CostModel, load_tables, usable_memory
 from embshard_dist.planner.enumerate import (
     SHARDING_TYPE_ORDER,
     DefaultCapabilities,

@@ -20,7 +20,8 @@ from torch import nn
 from embshard_dist.planner.auto import runtime_topology
 from embshard_dist.planner.calibrate_ranks import MEDIUM, TINY, fit_overheads
 from embshard_dist.planner.constraints import ParameterConstraints
-from embshard_dist.planner.costs import CostModel, load_tables, sharding_costs
+from embshard_dist.planner.cost_model import CostModel, load_tables
+from embshard_dist.planner.costs import sharding_costs
 from embshard_dist.planner.enumerate import DefaultCapabilities, enumerate_options
 from embshard_dist.planner.estimate import estimate_plan
 from embshard_dist.planner.planner import EmbeddingShardingPlanner

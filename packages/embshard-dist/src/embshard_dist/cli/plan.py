@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str]) -> int:
     """Run the command; returns the exit status."""
     args = _parser().parse_args(argv)
-    from embshard_dist.planner.costs import DEFAULT_RESERVE_FRACTION
+    from embshard_dist.planner.cost_model import DEFAULT_RESERVE_FRACTION
     from embshard_dist.planner.planner import EmbeddingShardingPlanner
     from embshard_dist.planner.spec import load_table_spec
     from embshard_dist.planner.topology import Topology, default_topology

@@ -320,7 +320,7 @@ def _trial_times(topology: Any, value: str, overhead: Any, case: Case) -> list[f
     from dataclasses import replace
 
     from embshard_dist.planner.constraints import ParameterConstraints
-    from embshard_dist.planner.costs import CostModel, load_tables
+    from embshard_dist.planner.cost_model import CostModel, load_tables
     from embshard_dist.planner.estimate import estimate_tables
     from embshard_dist.planner.tables import PlannerTable
     from embshard_optim.specs import OptimizerSpec, OptimType

@@ -1,7 +1,9 @@
 """The planner's cost model: memory and step time each shard puts on the rank that holds it.
 
 Every estimate is built from four pieces, each a function of one table's shape and traffic
-(:class:`LoadedTable`), the :class:`~embshard_dist.planner.topology.Topology` and the optimizer:
+(:class:`~embshard_dist.planner.cost_model.LoadedTable`), the
+:class:`~embshard_dist.planner.topology.Topology` and the optimizer (the
+:class:`~embshard_dist.planner.cost_model.CostModel`):
 
 * :func:`holder_cost`: a shard of ``rows x cols`` on the rank that holds it: receiving the ids
   it looks up (every rank's ids for its rows), the lookup forward and backward with the update,
@@ -46,184 +48,41 @@ Guarantees: pure functions of their arguments (deterministic); :func:`sharding_c
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
-from embshard_dist.planner.constraints import (
-    ParameterConstraints,
-    TableWorkload,
-    constraints_for,
-    table_workload,
+from embshard_dist.planner.cost_model import (
+    ID_BYTES,
+    STATE_BYTES,
+    ZERO,
+    Cost,
+    CostModel,
+    LoadedTable,
 )
-from embshard_dist.planner.tables import PlannerTable
 from embshard_dist.planner.topology import SPARSE_UPDATE, KernelThroughput, Topology
 from embshard_dist.planner.traffic import distinct_rows
-from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.parameter_sharding import ParameterSharding
 from embshard_types.vocab import ComputeKernel, ShardingType
 
 __all__ = [
-    "DEFAULT_PLANNER_OPTIMIZER",
-    "DEFAULT_RESERVE_FRACTION",
-    "Cost",
-    "CostModel",
-    "LoadedTable",
     "batch_cost",
     "collective_overhead",
     "compute_scale",
     "holder_cost",
-    "load_tables",
     "replica_cost",
     "sharding_costs",
     "table_overhead",
-    "usable_memory",
 ]
-
-DEFAULT_PLANNER_OPTIMIZER = OptimizerSpec(OptimType.ROWWISE_ADAGRAD)
-"""The optimizer assumed when none is given (its state is one fp32 per row)."""
-
-DEFAULT_RESERVE_FRACTION = 0.1
-"""Share of each rank's memory kept free of tables (allocator slack, activations)."""
-
-DENSE_STATE_FACTOR = 4
-"""Dense parameters cost weights + gradients + two optimizer states (Adam) on every rank."""
 
 DENSE_PASSES = 10
 """Passes over a ``dense``-kernel shard per step (zeroed gradient, torch optimizer step).
 Measured on K1 (benchmarks.md): TorchRec's dense collection with torch Adagrad costs ~85 ms
 more than FBGEMM's fused update for 4 x 100k x 64 fp32, ~10 passes at copy bandwidth."""
 
-_ID_BYTES = 8
 _LENGTH_BYTES = 4
-_WEIGHT_BYTES = 4
-_STATE_BYTES = 4
 _COLLECTIVES_PER_TYPE = 4  # ids splits, ids values, output forward, gradient backward
 _COLLECTIVES_DATA_PARALLEL = 2  # sizes, rows
 
 _ROW_FAMILY = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
 _NODE_REDUCED = (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
-
-
-@dataclass(frozen=True)
-class Cost:
-    """What something costs one rank per step.
-
-    Args:
-        compute_s: lookup, backward and update time.
-        comms_s: collective time.
-        storage: bytes of compute-device memory (HBM on CUDA, host memory on the CPU).
-        host_storage: bytes of host memory on CUDA (UVM tables); 0 on the CPU.
-    """
-
-    compute_s: float = 0.0
-    comms_s: float = 0.0
-    storage: int = 0
-    host_storage: int = 0
-
-    @property
-    def time_s(self) -> float:
-        """Compute plus comms."""
-        return self.compute_s + self.comms_s
-
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(
-            self.compute_s + other.compute_s,
-            self.comms_s + other.comms_s,
-            self.storage + other.storage,
-            self.host_storage + other.host_storage,
-        )
-
-
-ZERO = Cost()
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """The topology and optimizer the costs are computed for.
-
-    Args:
-        topology: ranks, memory and speeds.
-        optimizer: the embedding optimizer (its state sizes).
-        fused_on_torch: the fused kernel runs embshard's plain-torch update (optimizers that
-            FBGEMM cannot run on the device), costed at the ``sparse_update`` throughput.
-        cache_load_factor: share of rows cached in device memory by the UVM-caching and
-            key-value kernels when the table's cache params give none.
-    """
-
-    topology: Topology
-    optimizer: OptimizerSpec = DEFAULT_PLANNER_OPTIMIZER
-    fused_on_torch: bool = False
-    cache_load_factor: float = 0.2
-    rowwise_states: int = field(init=False, repr=False, compare=False)
-    pointwise_states: int = field(init=False, repr=False, compare=False)
-
-    @classmethod
-    def build(cls, topology: Topology, optimizer: OptimizerSpec | None = None) -> CostModel:
-        """The model for ``topology`` and ``optimizer`` (default: RowWiseAdagrad).
-
-        Asks FBGEMM's capability table (lazily imported) whether the optimizer runs in its
-        fused kernel on the device.
-        """
-        spec = optimizer or DEFAULT_PLANNER_OPTIMIZER
-        on_torch = False
-        if topology.compute_device == "cpu":
-            from embshard_kernels.fbgemm_mapping import fbgemm_refusal
-
-            on_torch = fbgemm_refusal(spec, "cpu") is not None
-        return cls(topology, spec, on_torch)
-
-    def __post_init__(self) -> None:
-        names = self.optimizer.state_names()
-        rowwise = sum(1 for n in names if self.optimizer.state_is_rowwise(n))
-        object.__setattr__(self, "rowwise_states", rowwise)
-        object.__setattr__(self, "pointwise_states", len(names) - rowwise)
-
-    def state_bytes_per_row(self, cols: int) -> int:
-        """Optimizer state bytes per row of a ``cols``-wide shard."""
-        return _STATE_BYTES * (self.pointwise_states * cols + self.rowwise_states)
-
-    def rowwise_state(self) -> bool:
-        """Whether the optimizer keeps a per-row statistic (needs full rows under CW)."""
-        return self.rowwise_states > 0
-
-
-@dataclass(frozen=True)
-class LoadedTable:
-    """A table with its constraints and per-rank traffic.
-
-    Args:
-        table: the table.
-        constraints: its constraints.
-        workload: ids and bags per rank per step.
-    """
-
-    table: PlannerTable
-    constraints: ParameterConstraints
-    workload: TableWorkload
-
-    @property
-    def output_bytes(self) -> int:
-        """Bytes per element of its pooled output."""
-        dtype = self.constraints.output_dtype
-        return 4 if dtype is None else max(1, dtype.bits // 8)
-
-    @property
-    def id_bytes(self) -> int:
-        """Bytes sent per id (the id, plus its weight when weighted)."""
-        return _ID_BYTES + (_WEIGHT_BYTES if self.workload.weighted else 0)
-
-
-def load_tables(
-    tables: Sequence[PlannerTable],
-    constraints: Mapping[str, ParameterConstraints] | None,
-    batch_size: int,
-) -> list[LoadedTable]:
-    """Attach constraints and traffic to each table."""
-    out = []
-    for t in tables:
-        c = constraints_for(t, constraints)
-        out.append(LoadedTable(t, c, table_workload(t, c, batch_size)))
-    return out
 
 
 def _touched(lt: LoadedTable, rows: float, global_ids: float) -> float:
@@ -359,7 +218,7 @@ def holder_cost(
     else:
         comms += _spread(2 * out_bytes, topo)
     if column_blocks > 1 and model.rowwise_state():
-        comms += _spread(2 * _STATE_BYTES * touched * column_blocks, topo)
+        comms += _spread(2 * STATE_BYTES * touched * column_blocks, topo)
     eb = lt.table.element_bytes
     fwd_bytes = ids_in * cols * eb + global_outputs * cols * lt.output_bytes
     compute = _forward_s(topo.throughput(kernel), fwd_bytes, touched * cols * eb)
@@ -427,7 +286,7 @@ def replica_cost(lt: LoadedTable, kernel: ComputeKernel, model: CostModel) -> Co
     compute += 2 * n * local_rows * dim * 4 / topo.memory_bw  # sum the gathered rows
     compute += _update_s(_update_bytes(global_rows, dim, eb, state_row), model)
     compute *= compute_scale(ShardingType.DATA_PARALLEL, model)
-    chunk = local_rows * (dim * 4 + _ID_BYTES)
+    chunk = local_rows * (dim * 4 + ID_BYTES)
     comms = _spread(2 * n * chunk, topo) + table_overhead(ShardingType.DATA_PARALLEL, model)
     table_bytes = rows * (dim * eb + state_row)
     buffers = w.ids * lt.id_bytes + 2 * w.output_rows * dim * lt.output_bytes + n * chunk
@@ -501,8 +360,3 @@ def sharding_costs(lt: LoadedTable, ps: ParameterSharding, model: CostModel) -> 
         holder = holder_cost(lt, ps.sharding_type, kernel, rows, cols, model, column_blocks=blocks)
         costs[shard.rank] = costs[shard.rank] + holder
     return costs
-
-
-def usable_memory(capacity: int, reserve_fraction: float, dense_bytes: int) -> int:
-    """Bytes of a rank's ``capacity`` left for tables after the reserve and the dense part."""
-    return int(capacity * (1.0 - reserve_fraction)) - DENSE_STATE_FACTOR * dense_bytes

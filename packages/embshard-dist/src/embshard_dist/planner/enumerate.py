@@ -33,15 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from embshard_dist.planner.costs import (
-    ZERO,
-    Cost,
-    CostModel,
-    LoadedTable,
-    batch_cost,
-    holder_cost,
-    replica_cost,
-)
+from embshard_dist.planner.cost_model import ZERO, Cost, CostModel, LoadedTable
+from embshard_dist.planner.costs import batch_cost, holder_cost, replica_cost
 from embshard_dist.sharding.layout import (
     MIN_COLUMN_BLOCK,
     column_wise_dims,

@@ -21,17 +21,16 @@ from embshard_dist.planner.constraints import (
     ParameterConstraints,
     check_constraints,
 )
-from embshard_dist.planner.costs import (
+from embshard_dist.planner.cost_model import (
     DEFAULT_RESERVE_FRACTION,
     ZERO,
     Cost,
     CostModel,
     LoadedTable,
-    collective_overhead,
     load_tables,
-    sharding_costs,
     usable_memory,
 )
+from embshard_dist.planner.costs import collective_overhead, sharding_costs
 from embshard_dist.planner.tables import TableSource, find_tables
 from embshard_dist.planner.topology import Topology
 from embshard_optim.specs import OptimizerSpec

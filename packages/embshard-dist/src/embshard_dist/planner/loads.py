@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from embshard_dist.planner.costs import CostModel, collective_overhead
+from embshard_dist.planner.cost_model import CostModel
+from embshard_dist.planner.costs import collective_overhead
 from embshard_dist.planner.enumerate import ShardingOption
 from embshard_types.vocab import ShardingType
 

@@ -37,7 +37,7 @@ from embshard_dist.planner.constraints import (
     ParameterConstraints,
     check_constraints,
 )
-from embshard_dist.planner.costs import (
+from embshard_dist.planner.cost_model import (
     DEFAULT_RESERVE_FRACTION,
     CostModel,
     load_tables,
