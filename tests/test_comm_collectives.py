@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 
+from embshard_dist.comm import collectives
 from embshard_dist.comm.collectives import (
     all_gather_ints,
     all_gather_v,
@@ -27,6 +28,28 @@ def _touched(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, torch.randn(n, 3, generator=g)
 
 
+def _check_sparse(mine: list[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """``sparse_all_gather`` and ``sparse_all_reduce`` of every rank's ``_touched`` rows against
+    the single-process reference (exact: rank order, then each rank's own order)."""
+    everyone = [_touched(r) for r in range(dist.get_world_size())]
+    rows, grads = sparse_all_gather(*mine)
+    assert torch.equal(rows.cpu(), torch.cat([r for r, _ in everyone]))
+    assert torch.equal(grads.cpu(), torch.cat([g for _, g in everyone]))
+
+    unique, summed = sparse_all_reduce(*mine)
+    all_rows = torch.cat([r for r, _ in everyone]).tolist()
+    all_grads = torch.cat([g for _, g in everyone])
+    expected_rows = sorted(set(all_rows))
+    assert unique.tolist() == expected_rows
+    for i, row in enumerate(expected_rows):
+        acc = torch.zeros(3)
+        for j, r in enumerate(all_rows):
+            if r == row:
+                acc += all_grads[j]
+        assert torch.equal(summed[i].cpu(), acc)
+    return expected_rows, summed
+
+
 def _collectives_case() -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = test_device()
@@ -44,23 +67,8 @@ def _collectives_case() -> bool:
     for r, x in enumerate(gathered):
         assert torch.equal(x.cpu(), torch.arange(r * 2, dtype=torch.float32).reshape(r, 2))
 
-    everyone = [_touched(r) for r in range(world)]
-    mine_touched = [t.to(device) for t in everyone[rank]]
-    rows, grads = sparse_all_gather(*mine_touched)
-    assert torch.equal(rows.cpu(), torch.cat([r for r, _ in everyone]))
-    assert torch.equal(grads.cpu(), torch.cat([g for _, g in everyone]))
-
-    unique, summed = sparse_all_reduce(*mine_touched)
-    all_rows = torch.cat([r for r, _ in everyone]).tolist()
-    all_grads = torch.cat([g for _, g in everyone])
-    expected_rows = sorted(set(all_rows))
-    assert unique.tolist() == expected_rows
-    for i, row in enumerate(expected_rows):
-        acc = torch.zeros(3)
-        for j, r in enumerate(all_rows):  # rank order, then each rank's own order
-            if r == row:
-                acc += all_grads[j]
-        assert torch.equal(summed[i].cpu(), acc)
+    mine_touched = [t.to(device) for t in _touched(rank)]
+    expected_rows, summed = _check_sparse(mine_touched)
 
     # the small-block path: distinct rows in, the same rows and sums out
     distinct_rows, distinct_grads = sum_rows(*mine_touched)
@@ -73,6 +81,25 @@ def _collectives_case() -> bool:
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_match_reference(world: int) -> None:
     assert run_on_ranks(world, _collectives_case) == [True] * world
+
+
+def _pieces_case(piece_rows: int) -> bool:
+    """The sparse collectives with the CPU gradient gather cut in pieces of ``piece_rows``."""
+    old = collectives.GATHER_CHUNK_BYTES
+    collectives.GATHER_CHUNK_BYTES = piece_rows * 3 * 4  # rows of 3 float32
+    try:
+        _check_sparse(list(_touched(dist.get_rank())))
+    finally:
+        collectives.GATHER_CHUNK_BYTES = old
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("piece_rows", [1, 2, 3])
+def test_sparse_gather_in_pieces_matches_reference(world: int, piece_rows: int) -> None:
+    # counts 3 / 0 (/ 7): pieces that split the padded blocks evenly, unevenly, and one rank
+    # with nothing but padding
+    assert run_on_ranks(world, _pieces_case, piece_rows) == [True] * world
 
 
 def _shape_mismatch_case() -> str:
