@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 
-from embshard_dist.comm import collectives
 from embshard_dist.comm.collectives import (
     all_gather_ints,
     all_gather_v,
@@ -18,6 +17,7 @@ from embshard_dist.comm.collectives import (
     sparse_all_reduce,
     sum_rows,
 )
+from embshard_dist.comm.gather import start_all_gather
 
 
 def _touched(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,23 +83,36 @@ def test_collectives_match_reference(world: int) -> None:
     assert run_on_ranks(world, _collectives_case) == [True] * world
 
 
-def _pieces_case(piece_rows: int) -> bool:
-    """The sparse collectives with the CPU gradient gather cut in pieces of ``piece_rows``."""
-    old = collectives.GATHER_CHUNK_BYTES
-    collectives.GATHER_CHUNK_BYTES = piece_rows * 3 * 4  # rows of 3 float32
+def _gather_case() -> bool:
+    """``start_all_gather`` against the backend's all-gather: floats, ints, empty blocks, and a
+    block that already sits in its slot of the output."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = test_device()
+    for dtype, n in ((torch.float32, 5), (torch.int64, 3), (torch.float32, 0)):
+        local = (torch.arange(n) + 100 * rank).to(dtype).to(device)
+        expected = torch.empty(world * n, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(expected, local)
+        out = torch.full((world * n,), -1, dtype=dtype, device=device)
+        start_all_gather("test.gather", out, local, group=None).wait()
+        assert torch.equal(out, expected)
+        in_place = torch.zeros(world, n, dtype=dtype, device=device)
+        in_place[rank] = local
+        pending = start_all_gather("test.gather", in_place, in_place[rank], group=None)
+        pending.wait()
+        pending.wait()  # idempotent
+        assert torch.equal(in_place.view(-1), expected)
     try:
-        _check_sparse(list(_touched(dist.get_rank())))
-    finally:
-        collectives.GATHER_CHUNK_BYTES = old
+        start_all_gather("test.gather", torch.empty(3), torch.empty(2), group=None)
+    except ValueError as e:
+        assert "test.gather" in str(e) and f"{world} blocks of 2" in str(e)
+    else:
+        raise AssertionError("a wrong output size was accepted")
     return True
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("piece_rows", [1, 2, 3])
-def test_sparse_gather_in_pieces_matches_reference(world: int, piece_rows: int) -> None:
-    # counts 3 / 0 (/ 7): pieces that split the padded blocks evenly, unevenly, and one rank
-    # with nothing but padding
-    assert run_on_ranks(world, _pieces_case, piece_rows) == [True] * world
+def test_all_gather_as_all_to_all_matches_backend(world: int) -> None:
+    assert run_on_ranks(world, _gather_case) == [True] * world
 
 
 def _shape_mismatch_case() -> str:

@@ -16,23 +16,19 @@ Guarantees:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from embshard_dist.comm._dtypes import dtype_code, dtype_name
+from embshard_dist.comm.gather import start_all_gather
 from embshard_dist.comm.timeouts import Timeout, issue
 from embshard_kernels.row_sums import group_rows, sparse_product
 from embshard_kernels.workspace import Workspace
 
 _MAX_DIMS = 8
-
-GATHER_CHUNK_BYTES = 4 << 20
-"""Gradient rows gathered from CPU tensors go in pieces of about this many bytes per rank, all
-in flight at once: one gloo all-gather of tens of MB moves ~0.5 GB/s on a 2-core host, the same
-bytes in 4 MB pieces ~0.9 GB/s (25 MB per rank: 51 -> 29 ms)."""
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -117,13 +113,7 @@ def all_gather_ints(
     device = collective_device(group)
     local = torch.tensor(list(values), dtype=torch.int64, device=device).reshape(-1)
     out = local.new_empty(world * local.numel())
-    issue(
-        name,
-        lambda: dist.all_gather_single(out, local, group=group, async_op=True),
-        group=group,
-        timeout=timeout,
-        device=device,
-    ).wait()
+    start_all_gather(name, out, local, group=group, timeout=timeout).wait()
     return [row.tolist() for row in out.reshape(world, -1)]
 
 
@@ -179,13 +169,7 @@ def all_gather_v(
         pad = local.new_zeros((padded_rows - local.shape[0], *trailing))
         local = torch.cat([local, pad])
     out = local.new_empty((len(rows) * padded_rows, *trailing))
-    issue(
-        name,
-        lambda: dist.all_gather_single(out, local, group=group, async_op=True),
-        group=group,
-        timeout=timeout,
-        device=tensor.device,
-    ).wait()
+    start_all_gather(name, out, local, group=group, timeout=timeout).wait()
     chunks = out.split([padded_rows] * len(rows))
     return [chunk[:n] for chunk, n in zip(chunks, rows, strict=True)]
 
@@ -258,10 +242,9 @@ def _gather_padded(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Every rank's rows, where each one's gradient sits in the padded gathered gradients.
 
-    Two rounds: the counts, then the row ids and the gradient rows (all issued at once), each
-    rank's block padded to the largest count. CPU gradients go in pieces of
-    :data:`GATHER_CHUNK_BYTES` per rank: piece ``k`` of every rank lies, rank after rank, after
-    the pieces before it.
+    Two rounds: the counts, then the row ids and the gradient rows (both issued at once, as
+    all-to-alls on the CPU: see :mod:`~embshard_dist.comm.gather`), each rank's block padded
+    to the largest count and written straight into its slot of the output.
 
     Returns:
         ``(rows, sources, gathered)``: all ranks' row ids in rank order, per id its row of
@@ -286,50 +269,27 @@ def _gather_padded(
         )
     counts = [m[0] for m in meta]
     world, most, n = len(counts), max(counts), rows.shape[0]
+    at = dist.get_rank(group) * most
     space = workspace or Workspace()
-    local_rows, local_grads = rows.to(torch.int64), grads.contiguous()
-    if n < most:
-        local_rows = torch.cat([local_rows, local_rows.new_zeros(most - n)])
-        padded = space.take("padded", (most, width), grads.dtype, grads.device)
-        padded[:n] = grads
-        local_grads = padded
-    out_rows = local_rows.new_empty(world * most)
+    out_rows = rows.new_empty(world * most, dtype=torch.int64)
     out_grads = space.take("gathered", (world * most, width), grads.dtype, grads.device)
-    piece = _piece_rows(most, width * grads.element_size(), grads.device)
-
-    def gather(out: Tensor, local: Tensor) -> Callable[[], dist.Work | None]:
-        return lambda: dist.all_gather_single(out, local, group=group, async_op=True)
-
+    mine_rows, mine_grads = out_rows[at : at + most], out_grads[at : at + most]
+    mine_rows[:n] = rows
+    mine_rows[n:] = 0
+    mine_grads[:n] = grads
+    mine_grads[n:] = 0
     pending = [
-        issue(f"{name}.rows", gather(out_rows, local_rows), group=group, timeout=timeout,
-              device=grads.device)
-    ]  # fmt: skip
-    for start in range(0, most, piece):
-        size = min(piece, most - start)
-        out = out_grads[world * start : world * (start + size)]
-        pending.append(
-            issue(f"{name}.grads", gather(out, local_grads[start : start + size]), group=group,
-                  timeout=timeout, device=grads.device)
-        )  # fmt: skip
+        start_all_gather(f"{name}.rows", out_rows, mine_rows, group=group, timeout=timeout),
+        start_all_gather(f"{name}.grads", out_grads, mine_grads, group=group, timeout=timeout),
+    ]
     for work in pending:
         work.wait()
-    if piece >= most and all(c == most for c in counts):
+    if all(c == most for c in counts):
         return out_rows, torch.arange(out_rows.numel(), device=rows.device), out_grads
-    taken, sources = [], []
-    for r, c in enumerate(counts):
-        i = torch.arange(c, device=rows.device)
-        first = i - i % piece  # the first row of each id's piece
-        span = (most - first).clamp(max=piece)  # the rows of that piece
-        taken.append(r * most + i)
-        sources.append(world * first + r * span + i % piece)
-    return out_rows.index_select(0, torch.cat(taken)), torch.cat(sources), out_grads
-
-
-def _piece_rows(rows: int, row_bytes: int, device: torch.device) -> int:
-    """Rows per piece of a gradient gather (all ``rows`` at once off the CPU)."""
-    if device.type != "cpu" or row_bytes == 0:
-        return max(1, rows)
-    return max(1, GATHER_CHUNK_BYTES // row_bytes)
+    sources = torch.cat(
+        [torch.arange(r * most, r * most + c, device=rows.device) for r, c in enumerate(counts)]
+    )
+    return out_rows.index_select(0, sources), sources, out_grads
 
 
 def sparse_all_gather(

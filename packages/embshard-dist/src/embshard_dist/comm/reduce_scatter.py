@@ -13,9 +13,9 @@ Guarantees:
       uneven batches, or a codec) each rank sends every other rank its rows with an
       all-to-all, decodes them and sums them **in rank order** (rank 0's partial + rank 1's
       + ...): exact with respect to that order and deterministic;
-    * backward: an all-gather of the gradient, padded to the largest batch when batches are
-      uneven; with a backward codec each rank's (padded) gradient is encoded before and
-      decoded after the exchange;
+    * backward: an all-gather of the gradient (sent as an all-to-all on the CPU, see
+      ``gather``), padded to the largest batch when batches are uneven; with a backward codec
+      each rank's (padded) gradient is encoded before and decoded after the exchange;
     * works on gloo (CPU), where ``reduce_scatter`` of uneven sizes is not available;
     * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
       ``CollectiveError`` naming ``reduce_scatter.forward`` or ``.backward``.
@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec, is_active
 from embshard_dist.comm._exchange import decode_chunks, join_rows, start_all_to_all
+from embshard_dist.comm.gather import PendingGather, start_all_gather
 from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
@@ -60,7 +61,7 @@ class _ReduceScatterOp:
         self._codecs = codecs
         self._timeout = timeout
         self._native = len(set(batch_size_per_rank)) == 1 and not on_gloo
-        self._pending: PendingCollective | None = None
+        self._pending: PendingCollective | PendingGather | None = None
         self._recv: Tensor | None = None
         self._coder: ChunkCodec | None = None
         self._dim = 0
@@ -134,10 +135,8 @@ class _ReduceScatterOp:
         send = coder.encode(grad)
         recv = send.new_empty(self._world * send.numel())
         self._recv = recv
-        self._issue(
-            "backward",
-            lambda: dist.all_gather_single(recv, send, group=self._group, async_op=True),
-            grad_output.device,
+        self._pending = start_all_gather(
+            f"{NAME}.backward", recv, send, group=self._group, timeout=self._timeout
         )
 
     def finish_backward(self) -> Tensor:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from embshard_dist.comm.timeouts import issue
+from embshard_dist.comm.gather import start_all_gather
 from embshard_dist.sharding._lookup import GroupedBagLookup, kernel_feature_order
 from embshard_dist.sharding._route import PooledOutputDist, RoutedInputDist
 from embshard_dist.sharding.base import BagTable, ShardingOptions, shard_config
@@ -70,12 +70,7 @@ class ColumnRowSum:
     def __call__(self, partial: Tensor) -> Tensor:
         local = partial.contiguous()
         gathered = local.new_empty((self._size * local.shape[0], *local.shape[1:]))
-        issue(
-            self._name,
-            lambda: dist.all_gather_single(gathered, local, group=self._group, async_op=True),
-            group=self._group,
-            device=local.device,
-        ).wait()
+        start_all_gather(self._name, gathered, local, group=self._group).wait()
         parts = gathered.view(self._size, *local.shape)
         total = parts[0].clone()
         for part in parts[1:]:
