@@ -18,7 +18,8 @@ Every estimate is built from four pieces, each a function of one table's shape a
   :class:`~embshard_dist.planner.topology.ShardingOverhead`: latency of its collectives and
   per-call work; without a calibration, the topology's latency per collective); the same
   calibration's :func:`compute_scale` multiplies the type's compute (its code path against the
-  kernel probes).
+  kernel probes); :func:`mixing_cost` is what a plan of more than one type adds (one more copy
+  of the collection's output and of its gradient).
 
 Compute of a shard: the forward reads the rows of its ids and writes its outputs, the first
 read of each distinct row costing more (a cache miss); the backward moves twice the forward's
@@ -48,6 +49,7 @@ Guarantees: pure functions of their arguments (deterministic); :func:`sharding_c
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from embshard_dist.planner.cost_model import (
     ID_BYTES,
@@ -67,6 +69,7 @@ __all__ = [
     "collective_overhead",
     "compute_scale",
     "holder_cost",
+    "mixing_cost",
     "replica_cost",
     "sharding_costs",
     "table_overhead",
@@ -311,6 +314,20 @@ def collective_overhead(sharding_type: ShardingType, model: CostModel) -> Cost:
         else _COLLECTIVES_PER_TYPE
     )
     return Cost(0.0, count * model.topology.collective_latency_s, 0, 0)
+
+
+def mixing_cost(tables: Sequence[LoadedTable], model: CostModel) -> Cost:
+    """What a plan of more than one sharding type adds to every rank per step: the collection
+    puts the types' pooled outputs side by side in the caller's column order, one more copy of
+    its whole output ``[batch, sum of dims]`` in the forward and of its gradient in the
+    backward, each read and written at the topology's memory bandwidth (sequence tables return
+    one tensor per feature and copy nothing)."""
+    out_bytes = sum(
+        lt.workload.output_rows * lt.table.dim * lt.output_bytes
+        for lt in tables
+        if not lt.table.sequence
+    )
+    return Cost(4 * out_bytes / model.topology.memory_bw, 0.0, 0, 0)
 
 
 def compute_scale(sharding_type: ShardingType, model: CostModel) -> float:

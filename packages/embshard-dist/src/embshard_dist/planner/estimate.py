@@ -30,7 +30,7 @@ from embshard_dist.planner.cost_model import (
     load_tables,
     usable_memory,
 )
-from embshard_dist.planner.costs import collective_overhead, sharding_costs
+from embshard_dist.planner.costs import collective_overhead, mixing_cost, sharding_costs
 from embshard_dist.planner.tables import TableSource, find_tables
 from embshard_dist.planner.topology import Topology
 from embshard_optim.specs import OptimizerSpec
@@ -190,7 +190,7 @@ def estimate_tables(
         )
         if ps.sharding_type not in used:
             used.append(ps.sharding_type)
-    overhead = ZERO
+    overhead = mixing_cost(loaded, model) if len(used) > 1 else ZERO
     for kind in used:
         overhead = overhead + collective_overhead(kind, model)
     usable = usable_memory(topo.memory_per_rank, reserve_fraction, dense_bytes)

@@ -1,7 +1,8 @@
 """Per-rank load bookkeeping for the partitioner: placing one option's pieces on ranks.
 
 :class:`LoadState` holds each rank's estimated time and memory so far and which sharding types
-are in use (each type in use adds its collectives' latency to every rank). :func:`place` puts
+are in use (each type in use adds its collectives' latency to every rank, and using more than
+one type the copy that puts their outputs side by side: ``costs.mixing_cost``). :func:`place` puts
 one option on the state: its fixed per-rank cost, then each unit on the allowed rank (or node)
 where it ends soonest, among those with memory left; it returns ``None`` when no placement fits.
 
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from embshard_dist.planner.cost_model import CostModel
-from embshard_dist.planner.costs import collective_overhead
+from embshard_dist.planner.costs import collective_overhead, mixing_cost
 from embshard_dist.planner.enumerate import ShardingOption
 from embshard_types.vocab import ShardingType
 
@@ -74,6 +75,7 @@ class PartitionContext:
         self.cap = [usable] * self.n
         self.host_cap = [sys.maxsize if host_usable is None else host_usable] * self.n
         self.overhead = {k: collective_overhead(k, model).time_s for k in ShardingType}
+        self.mixing = mixing_cost([opts[0].table for opts in self.options if opts], model).time_s
         self.min_total = [min(o.total_s for o in opts) for opts in self.options]
         # Heaviest tables first (their cheapest option), then by name: longest-processing-time.
         self.order = sorted(
@@ -111,8 +113,11 @@ class LoadState:
         return other
 
     def new_overhead(self, kind: ShardingType, ctx: PartitionContext) -> float:
-        """Latency added to every rank if an option of ``kind`` is placed now."""
-        return 0.0 if self.counts.get(kind, 0) else ctx.overhead[kind]
+        """Latency added to every rank if an option of ``kind`` is placed now (its type's, and
+        the mixing copy when it is the second type in use)."""
+        if self.counts.get(kind, 0):
+            return 0.0
+        return ctx.overhead[kind] + (ctx.mixing if len(self.counts) == 1 else 0.0)
 
     def apply(self, p: Placed, ctx: PartitionContext) -> None:
         """Add a placed option."""
@@ -121,8 +126,7 @@ class LoadState:
             self.mem[r] += p.dm[r]
             self.host[r] += p.dh[r]
         kind = p.option.sharding_type
-        if not self.counts.get(kind, 0):
-            self.ov += ctx.overhead[kind]
+        self.ov += self.new_overhead(kind, ctx)
         self.counts[kind] = self.counts.get(kind, 0) + 1
 
     def remove(self, p: Placed, ctx: PartitionContext) -> None:
@@ -135,7 +139,7 @@ class LoadState:
         self.counts[kind] -= 1
         if not self.counts[kind]:
             del self.counts[kind]
-            self.ov -= ctx.overhead[kind]
+            self.ov -= self.new_overhead(kind, ctx)
 
     @property
     def max_s(self) -> float:
