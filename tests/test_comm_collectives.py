@@ -115,6 +115,23 @@ def test_all_gather_as_all_to_all_matches_backend(world: int) -> None:
     assert run_on_ranks(world, _gather_case) == [True] * world
 
 
+def _not_member_case() -> str:
+    group = dist.new_group([0, 1])
+    if dist.get_rank() != 2:
+        return "member"
+    try:
+        start_all_gather("test.gather", torch.empty(4), torch.empty(2), group=group)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_all_gather_refuses_a_rank_outside_the_group() -> None:
+    messages = run_on_ranks(3, _not_member_case)
+    assert messages[:2] == ["member", "member"]
+    assert "rank 2 is not a member" in messages[2] and "test.gather" in messages[2]
+
+
 def _shape_mismatch_case() -> str:
     rank = dist.get_rank()
     try:

@@ -68,12 +68,12 @@ def start_all_gather(
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = local.numel()
-    if out.numel() != world * n or out.dtype != local.dtype:
+    if rank >= 0 and (out.numel() != world * n or out.dtype != local.dtype):
         raise ValueError(
             f"{collective}: the output must hold {world} blocks of {n} {local.dtype} elements, "
             f"got {out.numel()} {out.dtype}"
         )
-    if local.device.type != "cpu" or world == 1:
+    if local.device.type != "cpu" or world == 1 or rank < 0:  # (not a member: issue says so)
         return PendingGather(
             issue(
                 collective,

@@ -79,6 +79,8 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 def describe_group(group: dist.ProcessGroup | None) -> str:
     """A short human description of a process group, for error messages."""
     pg = group if group is not None else _world()
+    if not isinstance(pg, dist.ProcessGroup):  # new_group's marker on ranks outside the group
+        return "a process group this rank is not a member of"
     try:
         name = str(pg.group_name)
     except RuntimeError:
