@@ -81,11 +81,13 @@ def col_blocks(dim: int, n: int, table: str) -> list[tuple[int, int]]:
     return [(j * w, w) for j in range(n)]
 
 
-def _tw(rows: int, dim: int, rank: int) -> TablePlan:
+def table_wise(rows: int, dim: int, rank: int) -> TablePlan:
+    """The whole table on ``rank``."""
     return TablePlan("table_wise", (rank,), (Shard(rank, 0, 0, rows, dim),))
 
 
-def _rw(kind: str, rows: int, dim: int, ranks: list[int]) -> TablePlan:
+def row_wise(kind: str, rows: int, dim: int, ranks: list[int]) -> TablePlan:
+    """``kind`` (a row-wise type): one block of :func:`row_blocks` per rank of ``ranks``."""
     shards = tuple(
         Shard(r, off, 0, n, dim)
         for r, (off, n) in zip(ranks, row_blocks(rows, len(ranks)), strict=True)
@@ -93,7 +95,8 @@ def _rw(kind: str, rows: int, dim: int, ranks: list[int]) -> TablePlan:
     return TablePlan(kind, tuple(ranks), shards)
 
 
-def _cw(name: str, rows: int, dim: int, ranks: list[int]) -> TablePlan:
+def column_wise(name: str, rows: int, dim: int, ranks: list[int]) -> TablePlan:
+    """One block of :func:`col_blocks` per rank of ``ranks``."""
     blocks = col_blocks(dim, len(ranks), name)
     shards = tuple(Shard(r, 0, off, rows, w) for r, (off, w) in zip(ranks, blocks, strict=True))
     return TablePlan("column_wise", tuple(ranks), shards)
@@ -117,7 +120,8 @@ def nodes_of(world_size: int, local_size: int) -> list[list[int]]:
     return [list(range(n, n + local_size)) for n in range(0, world_size, local_size)]
 
 
-def _dp() -> TablePlan:
+def data_parallel() -> TablePlan:
+    """Replicated on every rank."""
     return TablePlan("data_parallel", (), None)
 
 
@@ -155,15 +159,15 @@ def make_plan(
     plan: Plan = {}
     for i, t in enumerate(workload.tables):
         if kind == "data_parallel":
-            plan[t.name] = _dp()
+            plan[t.name] = data_parallel()
         elif kind == "table_wise":
-            plan[t.name] = _tw(t.rows, t.dim, balancer.pick(t.rows * t.dim))
+            plan[t.name] = table_wise(t.rows, t.dim, balancer.pick(t.rows * t.dim))
         elif kind == "row_wise":
-            plan[t.name] = _rw(kind, t.rows, t.dim, ranks)
+            plan[t.name] = row_wise(kind, t.rows, t.dim, ranks)
         elif kind == "table_row_wise":
-            plan[t.name] = _rw(kind, t.rows, t.dim, nodes[i % len(nodes)])
+            plan[t.name] = row_wise(kind, t.rows, t.dim, nodes[i % len(nodes)])
         elif kind == "column_wise":
-            plan[t.name] = _cw(t.name, t.rows, t.dim, ranks)
+            plan[t.name] = column_wise(t.name, t.rows, t.dim, ranks)
         elif kind == "grid_shard":
             plan[t.name] = _grid(t.name, t.rows, t.dim, nodes)
         else:
@@ -188,12 +192,12 @@ def _mixed(workload: Workload, i: int, ranks: list[int], balancer: _Balancer) ->
         else:
             choice = "table_wise"
     if choice == "table_wise":
-        return _tw(t.rows, t.dim, balancer.pick(t.rows * t.dim))
+        return table_wise(t.rows, t.dim, balancer.pick(t.rows * t.dim))
     if choice == "row_wise":
-        return _rw("row_wise", t.rows, t.dim, ranks)
+        return row_wise("row_wise", t.rows, t.dim, ranks)
     if choice == "column_wise":
-        return _cw(t.name, t.rows, t.dim, ranks)
-    return _dp()
+        return column_wise(t.name, t.rows, t.dim, ranks)
+    return data_parallel()
 
 
 def describe(plan: Plan) -> dict[str, int]:

@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.compare.plans import Plan, Shard, TablePlan
+from benchmarks.compare import plans
+from benchmarks.compare.plans import Plan, TablePlan
 from benchmarks.compare.workloads import Table, Workload
 from benchmarks.plan_quality.plans import from_neutral
 
@@ -39,27 +40,19 @@ Rule = Callable[[Table, int], TablePlan | None]
 
 
 def _data_parallel(table: Table, world: int) -> TablePlan | None:
-    if table.rows > SMALL_ROWS:
-        return None
-    return TablePlan("data_parallel", tuple(range(world)), None)
+    return plans.data_parallel() if table.rows <= SMALL_ROWS else None
 
 
 def _row_wise(table: Table, world: int) -> TablePlan | None:
     if table.rows < LARGE_ROWS:
         return None
-    block = -(-table.rows // world)
-    shards = tuple(
-        Shard(r, r * block, 0, min(block, table.rows - r * block), table.dim) for r in range(world)
-    )
-    return TablePlan("row_wise", tuple(range(world)), shards)
+    return plans.row_wise("row_wise", table.rows, table.dim, list(range(world)))
 
 
 def _column_wise(table: Table, world: int) -> TablePlan | None:
-    if table.rows < LARGE_ROWS or table.dim % world:
+    if table.rows < LARGE_ROWS or table.dim % (4 * world):  # blocks of a multiple of 4
         return None
-    width = table.dim // world
-    shards = tuple(Shard(r, 0, r * width, table.rows, width) for r in range(world))
-    return TablePlan("column_wise", tuple(range(world)), shards)
+    return plans.column_wise(table.name, table.rows, table.dim, list(range(world)))
 
 
 MIXTURES: dict[str, tuple[Rule, ...]] = {
@@ -89,7 +82,7 @@ def _mixture(workload: Workload, world: int, rules: tuple[Rule, ...]) -> Plan | 
         r = min(range(world), key=lambda k: (count[k], rows[k], k))
         count[r] += 1
         rows[r] += table.rows
-        plan[table.name] = TablePlan("table_wise", (r,), (Shard(r, 0, 0, table.rows, table.dim),))
+        plan[table.name] = plans.table_wise(table.rows, table.dim, r)
     return {t.name: plan[t.name] for t in workload.tables}
 
 

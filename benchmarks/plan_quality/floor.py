@@ -33,30 +33,27 @@ from typing import Any
 
 import torch
 
+from benchmarks.compare.common import load_global_weights
 from benchmarks.compare.workloads import Workload
+from benchmarks.plan_quality.measure import kjt_of
 from benchmarks.plan_quality.tables import embedding_bag_configs, optimizer_spec
 
 
 def _stepper(workload: Workload, world: int, tables: list[int]) -> Callable[[int], None]:
     """Step ``i`` of the collection of ``tables`` on global batch ``i % 4``."""
     from embshard_kernels.collections import EmbeddingBagCollection
-    from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
     samples = world * workload.batch_per_rank
     whole = replace(workload, batch_per_rank=samples)
-    keys = [workload.tables[i].feature for i in tables]
-    kjts = []
-    for b in whole.batches(0, 1, 4):
-        full = KeyedJaggedTensor(keys=list(b.keys), values=b.values, lengths=b.lengths)
-        part = full.permute(tables)
-        kjts.append(KeyedJaggedTensor(keys=keys, values=part.values(), lengths=part.lengths()))
+    kjts = [kjt_of(b).permute(tables) for b in whole.batches(0, 1, 4)]
     configs = embedding_bag_configs(workload)
     ebc = EmbeddingBagCollection([configs[i] for i in tables], optimizer=optimizer_spec())
-    with torch.no_grad():
-        state = ebc.state_dict()
-        for i in tables:
-            name = workload.tables[i].name
-            state[f"embedding_bags.{name}.weight"].copy_(workload.initial_weight(i))
+    prefix, suffix = "embedding_bags.", ".weight"
+    load_global_weights(
+        ebc.state_dict(),
+        workload,
+        lambda key: key[len(prefix) : -len(suffix)] if key.endswith(suffix) else None,
+    )
     gen = torch.Generator().manual_seed(workload.seed + 7)
     loss_weights = torch.randn(samples, sum(workload.tables[i].dim for i in tables), generator=gen)
 

@@ -112,7 +112,8 @@ def _all_max(value: float) -> float:
     return float(t.item())
 
 
-def _kjt(batch: Batch) -> Any:
+def kjt_of(batch: Batch) -> Any:
+    """``batch`` as an embshard ``KeyedJaggedTensor``."""
     from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
     return KeyedJaggedTensor(keys=list(batch.keys), values=batch.values, lengths=batch.lengths)
@@ -129,7 +130,7 @@ def run_rank(rank: int, world: int, port: int, job: MeasureJob) -> None:
 
         workload = get(job.workload, job.seed)
         batches = workload.batches(rank, world, job.num_batches)
-        kjts = [_kjt(b) for b in batches]
+        kjts = [kjt_of(b) for b in batches]
         loss_weights = workload.loss_weights(rank)
         runners = [
             PlanRunner(label, ShardingPlan.from_json(text), workload, loss_weights)

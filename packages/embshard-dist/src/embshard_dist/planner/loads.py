@@ -139,7 +139,7 @@ class LoadState:
         self.counts[kind] -= 1
         if not self.counts[kind]:
             del self.counts[kind]
-            self.ov -= self.new_overhead(kind, ctx)
+            self.ov -= self.new_overhead(kind, ctx)  # what placing it again would add back
 
     @property
     def max_s(self) -> float:
