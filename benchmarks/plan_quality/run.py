@@ -26,7 +26,7 @@ For each workload (W1, W2 of ``shared/benchmarks.md``; 2 gloo ranks, 1 thread ea
 Usage (from the repository root; TorchRec's plan needs the ``compare`` nox environment)::
 
     .nox/compare/bin/python -m benchmarks.plan_quality.run [--workload W1 W2]
-        [--topology topo.json] [--save-topology topo.json] [--calibration-reps 9]
+        [--topology topo.json] [--save-topology topo.json] [--calibration-reps 21]
         [--steps 10] [--warmup 3] [--plans table_wise embshard-planner ...]
         [--no-floor] [--estimate-only] [--json out.json]
 
@@ -63,6 +63,7 @@ from benchmarks.plan_quality.tables import (
     planner_constraints,
     planner_tables,
 )
+from embshard_dist.planner.probes import CALIBRATION_REPS
 
 WORLD = 2
 PLAN_LABELS = (*SHARDING_TYPES, EMBSHARD_PLANNER, TORCHREC_PLANNER, *MIXTURES)
@@ -214,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (>= 10)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (>= 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--calibration-reps", type=int, default=9, help="calibration rounds")
+    parser.add_argument(
+        "--calibration-reps", type=int, default=CALIBRATION_REPS, help="calibration rounds"
+    )
     parser.add_argument("--estimate-only", action="store_true", help="print estimates only")
     parser.add_argument("--no-floor", action="store_true", help="skip the compute floor")
     parser.add_argument("--json", help="write the results as JSON here")

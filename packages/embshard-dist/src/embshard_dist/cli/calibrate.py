@@ -15,6 +15,8 @@ import argparse
 import json
 from collections.abc import Sequence
 
+from embshard_dist.planner.probes import CALIBRATION_REPS
+
 
 def run(argv: Sequence[str]) -> int:
     """Run the command; returns the exit status."""
@@ -26,7 +28,10 @@ def run(argv: Sequence[str]) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--no-comms", action="store_true", help="skip the collective measurements")
     p.add_argument(
-        "--reps", type=int, default=9, help="timed rounds (more: steadier on a busy host)"
+        "--reps",
+        type=int,
+        default=CALIBRATION_REPS,
+        help="timed rounds (more: steadier on a busy host)",
     )
     args = p.parse_args(argv)
     from embshard_dist.planner.calibrate import calibrate

@@ -41,7 +41,12 @@ from dataclasses import replace
 
 import torch
 
-from embshard_dist.planner.probes import KernelProbes, memory_probe, round_robin
+from embshard_dist.planner.probes import (
+    CALIBRATION_REPS,
+    KernelProbes,
+    memory_probe,
+    round_robin,
+)
 from embshard_dist.planner.topology import KernelThroughput, Topology, default_topology
 
 __all__ = ["calibrate", "measure_comms", "measure_kernels", "measure_memory_bw"]
@@ -111,7 +116,7 @@ def calibrate(
     threads: int = 1,
     comms: bool = True,
     processes: int = 2,
-    reps: int = 9,
+    reps: int = CALIBRATION_REPS,
 ) -> Topology:
     """Measure this machine and return its topology (CPU).
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard_dist.planner.probes import round_robin
+from embshard_dist.planner.probes import CALIBRATION_REPS, round_robin
 
 __all__ = ["MEDIUM", "TINY", "Case", "fit_overheads", "run_calibration_ranks"]
 
@@ -129,6 +129,7 @@ class Case:
 
 MODULE = "ebc"
 """The path of the collection in the calibration's models."""
+
 
 TINY = (Case(2, 512, 32, 8, 1), Case(64, 512, 32, 8, 1))
 """2 and 64 tiny tables: steps that are nearly all fixed cost (per step, and per table). The
@@ -256,7 +257,7 @@ def run_calibration_ranks(
     threads: int = 1,
     kernels: bool = True,
     overheads: bool = True,
-    reps: int = 9,
+    reps: int = CALIBRATION_REPS,
     timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """Measure on ``world`` local processes (see the module docstring).
