@@ -10,7 +10,7 @@ Zipf ids per bag). Timed, each on its own:
   (reversed keys), ``to_dict`` and ``concat`` (of the two halves);
 - KeyedTensor ``regroup`` (two pooled outputs of half the features each, regrouped into even and
   odd features) and ``to_dict``;
-- ``embshard_dist.sharding.bucketize.bucketize_kjt``: row-wise routing of every id to one of 2
+- ``embshard_dist.strategies.bucketize.bucketize_kjt``: row-wise routing of every id to one of 2
   row blocks per table.
 
 KeyedJaggedTensor and KeyedTensor cache what they derive (offsets, per-key sizes, dicts), so every
@@ -31,7 +31,7 @@ pytest.importorskip("pytest_benchmark", reason="benchmarks need pytest-benchmark
 import torch
 from compare.workloads import Workload, w1, w2
 
-from embshard_dist.sharding.bucketize import bucketize_kjt
+from embshard_dist.strategies.bucketize import bucketize_kjt
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
 

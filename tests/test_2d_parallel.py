@@ -15,7 +15,7 @@ trains on its own batch (uneven sizes). What is checked, step by step:
   :mod:`embshard_dist.dmp.replicas` promises for adaptive optimizers); between syncs the
   replicas differ.
 
-Also: the group helpers of :mod:`embshard_dist.sharding.nodes` inside a 2-D layout (sub-groups
+Also: the group helpers of :mod:`embshard_dist.strategies.nodes` inside a 2-D layout (sub-groups
 created once per mirror sharding group).
 """
 
@@ -41,8 +41,8 @@ from test_node_aware_sharding import (
 
 from embshard_dist.dmp.collection import DMPCollection, create_2d_env, sharding_group_ranks
 from embshard_dist.dmp.replicas import replica_tensors
-from embshard_dist.sharding.layout import grid_specs
-from embshard_dist.sharding.nodes import subgroup
+from embshard_dist.strategies.layout import grid_specs
+from embshard_dist.strategies.nodes import subgroup
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
 from embshard_types.vocab import ShardingType

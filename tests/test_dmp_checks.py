@@ -16,9 +16,9 @@ import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 from test_dmp_training import build_model
 
-from embshard_dist.model_parallel import DistributedModelParallel
+from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.planner.simple import SimplePlanner
-from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.parameter_sharding import ParameterSharding
 from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan

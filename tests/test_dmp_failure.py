@@ -14,7 +14,7 @@ from _mp import Exited, run_ranks
 from test_dmp_training import build_model, data
 
 from embshard_dist.comm.timeouts import CollectiveError
-from embshard_dist.model_parallel import DistributedModelParallel
+from embshard_dist.dmp.model_parallel import DistributedModelParallel
 
 LIMIT_S = 5.0
 

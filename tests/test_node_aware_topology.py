@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embshard_dist.comm.kjt_all_to_all import source_order
-from embshard_dist.sharding._node_dist import padded_boundaries, staggered_batches
-from embshard_dist.sharding.bucketize import bucketize_kjt
-from embshard_dist.sharding.layout import row_wise_boundaries
-from embshard_dist.sharding.nodes import NodeTopology, resolve_local_world_size
+from embshard_dist.strategies.bucketize import bucketize_kjt
+from embshard_dist.strategies.layout import row_wise_boundaries
+from embshard_dist.strategies.node_dist import padded_boundaries, staggered_batches
+from embshard_dist.strategies.nodes import NodeTopology, resolve_local_world_size
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from _mp import run_on_ranks
 from torch import nn
 
-from embshard_dist.planner.calibrate import measure_comms
+from embshard_dist.planner.calibration.calibrate import measure_comms
 from embshard_dist.planner.constraints import ParameterConstraints
 from embshard_dist.planner.planner import EmbeddingShardingPlanner
 from embshard_dist.planner.stats import PlannerError

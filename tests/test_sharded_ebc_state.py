@@ -21,8 +21,8 @@ from test_sharded_ebc_training import (
     plan_for,
 )
 
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_dist.sharded.init import draw_shard
-from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_types.env import ShardingEnv
 from embshard_types.parameter_sharding import ParameterSharding

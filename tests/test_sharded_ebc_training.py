@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 
-import embshard_dist.sharding.dp as dp_module
-from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+import embshard_dist.strategies.dp as dp_module
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig

@@ -17,11 +17,10 @@ import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 from torch import Tensor, nn
 
-from embshard_dist.model_parallel import DistributedModelParallel
+from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.planner.simple import SimplePlanner
-from embshard_dist.sharded.embedding import ShardedEmbeddingCollection
-from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
-from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+from embshard_dist.sharded.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingConfig

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 from test_sharded_ec_training import KEYS, OPTIMIZERS, TABLES, global_batch, kjt_of, plan_for
 
+from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
 from embshard_dist.sharded.init import draw_shard
-from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
 from embshard_kernels.collections import EmbeddingCollection
 from embshard_types.env import ShardingEnv
 from embshard_types.parameter_sharding import ParameterSharding

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 
 from embshard_dist.comm.qcomms import get_qcomm_codecs_registry
-from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
+from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
 from embshard_kernels.collections import EmbeddingCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingConfig

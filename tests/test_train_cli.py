@@ -16,8 +16,8 @@ import torch.distributed as dist
 from _mp import require_devices, selected_backend
 
 from embshard_dist.cli import main
+from embshard_dist.cli.launch import default_backend, launch
 from embshard_dist.comm.collectives import barrier
-from embshard_dist.launch import default_backend, launch
 from embshard_types.vocab import ShardingType
 
 ROOT = Path(__file__).resolve().parents[1]

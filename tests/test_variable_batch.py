@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 
-from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
-from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig, EmbeddingConfig

@@ -1,10 +1,10 @@
-"""embshard's side: ``embshard_dist.model_parallel.DistributedModelParallel`` over an
+"""embshard's side: ``embshard_dist.dmp.model_parallel.DistributedModelParallel`` over an
 ``embshard_kernels`` EmbeddingBagCollection, built the same way as TorchRec's side.
 
 * the collection is built on ``meta`` with ``OptimizerSpec(ROWWISE_ADAGRAD, lr, eps)`` (FBGEMM's
   EXACT_ROWWISE_ADAGRAD fused in the backward) and handed to ``DistributedModelParallel`` with
   a plan of ``ParameterSharding`` entries whose shards come from
-  ``embshard_dist.sharding.layout.shard_specs``; each table's shards are checked against the
+  ``embshard_dist.strategies.layout.shard_specs``; each table's shards are checked against the
   harness's neutral plan;
 * the initial weights are written into its sharded state dict after sharding, exactly as on
   TorchRec's side (so neither side holds an unsharded copy of the model);
@@ -39,7 +39,7 @@ MODULE = "ebc"
 
 
 def _sharder(local_size: int | None = None) -> Any:
-    from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+    from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 
     return EmbeddingBagCollectionSharder(optimizer=_spec(), local_world_size=local_size)
 
@@ -53,7 +53,7 @@ def _spec() -> Any:
 def missing(sharding_types: set[str]) -> str | None:
     """What embshard lacks to run tables of these sharding types on the CPU (``None``: nothing)."""
     try:
-        import embshard_dist.model_parallel  # noqa: F401
+        import embshard_dist.dmp.model_parallel  # noqa: F401
 
         sharder = _sharder()
     except ImportError as e:
@@ -69,7 +69,7 @@ def missing(sharding_types: set[str]) -> str | None:
 
 
 def _embshard_plan(plan: Plan, workload: Workload, world: int, local: int, sharder: Any) -> Any:
-    from embshard_dist.sharding.layout import shard_specs
+    from embshard_dist.strategies.layout import shard_specs
     from embshard_types.parameter_sharding import ParameterSharding
     from embshard_types.plan import EmbeddingModuleShardingPlan
     from embshard_types.vocab import ComputeKernel, ShardingType
@@ -140,7 +140,7 @@ class EmbshardSide:
         why = missing({tp.sharding_type for tp in plan.values()})
         if why is not None:
             raise Unsupported(why)
-        from embshard_dist.model_parallel import DistributedModelParallel
+        from embshard_dist.dmp.model_parallel import DistributedModelParallel
         from embshard_kernels.collections import EmbeddingBagCollection
         from embshard_types.configs import EmbeddingBagConfig
         from embshard_types.plan import ShardingPlan

@@ -59,8 +59,8 @@ class PlanRunner:
     """One plan's sharded model on this rank, with the harness's step."""
 
     def __init__(self, label: str, plan: Any, workload: Any, loss_weights: Any) -> None:
-        from embshard_dist.model_parallel import DistributedModelParallel
-        from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+        from embshard_dist.dmp.model_parallel import DistributedModelParallel
+        from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
         from embshard_kernels.collections import EmbeddingBagCollection
 
         spec = optimizer_spec()

@@ -2,7 +2,7 @@
 
 For each workload (W1, W2 of ``shared/benchmarks.md``; 2 gloo ranks, 1 thread each):
 
-1. the topology: calibrated on this machine (``embshard_dist.planner.calibrate.calibrate``, the
+1. the topology: calibrated on this machine (``embshard_dist.planner.calibration.calibrate.calibrate``, the
    logic of ``embshard calibrate``) right before the workload is measured and again right
    after (a shared host's speed drifts with its load; a prediction is the mean of the two
    calibrations' predictions, and the report shows how far apart they were), unless
@@ -63,7 +63,7 @@ from benchmarks.plan_quality.tables import (
     planner_constraints,
     planner_tables,
 )
-from embshard_dist.planner.probes import CALIBRATION_REPS
+from embshard_dist.planner.calibration.probes import CALIBRATION_REPS
 
 WORLD = 2
 PLAN_LABELS = (*SHARDING_TYPES, EMBSHARD_PLANNER, TORCHREC_PLANNER, *MIXTURES)
@@ -74,7 +74,7 @@ def _topology(args: argparse.Namespace) -> Any:
 
     if args.topology:
         return Topology.load(args.topology, world_size=WORLD)
-    from embshard_dist.planner.calibrate import calibrate
+    from embshard_dist.planner.calibration.calibrate import calibrate
 
     started = time.perf_counter()
     topo = calibrate(world_size=WORLD, threads=args.threads, reps=args.calibration_reps)

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embshard_dist.sharding.bucketize import bucketize_ids, bucketize_kjt
-from embshard_dist.sharding.layout import (
+from embshard_dist.strategies.bucketize import bucketize_ids, bucketize_kjt
+from embshard_dist.strategies.layout import (
     column_wise_dims,
     column_wise_specs,
     grid_specs,

@@ -17,7 +17,7 @@ from embshard_dist.planner.enumerate import (
 from embshard_dist.planner.estimate import estimate_plan
 from embshard_dist.planner.tables import PlannerTable
 from embshard_dist.planner.topology import Topology
-from embshard_dist.sharding.layout import shard_specs
+from embshard_dist.strategies.layout import shard_specs
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.parameter_sharding import ParameterSharding
 from embshard_types.plan import ShardingPlan

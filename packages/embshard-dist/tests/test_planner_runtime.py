@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from embshard_dist.planner.auto import runtime_topology
-from embshard_dist.planner.calibrate_ranks import MEDIUM, TINY, fit_overheads
+from embshard_dist.planner.calibration.ranks import MEDIUM, TINY, fit_overheads
 from embshard_dist.planner.constraints import ParameterConstraints
 from embshard_dist.planner.cost_model import CostModel, load_tables
 from embshard_dist.planner.costs import sharding_costs

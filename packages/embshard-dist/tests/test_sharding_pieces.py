@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from embshard_dist.sharded import init as init_module
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_dist.sharded.init import draw_shard
 from embshard_dist.sharded.state import check_entry, local_part
-from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
-from embshard_dist.sharding.base import FeatureSelector, scale_grad, to_wire
+from embshard_dist.strategies.base import FeatureSelector, scale_grad, to_wire
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig

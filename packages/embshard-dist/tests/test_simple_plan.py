@@ -11,9 +11,9 @@ from torch import nn
 
 from embshard_dist.models.dlrm import DLRM
 from embshard_dist.planner.requests import parse_sharding_request
-from embshard_dist.planner.shardable import TableShape, find_shardable_modules
 from embshard_dist.planner.simple import SimplePlanner, shard_bytes
-from embshard_dist.sharding.layout import shard_specs
+from embshard_dist.sharded.shardable import TableShape, find_shardable_modules
+from embshard_dist.strategies.layout import shard_specs
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig
@@ -252,7 +252,7 @@ def test_plan_uses_the_device_in_placements() -> None:
 
 
 def test_plans_pass_the_real_sharders_checks() -> None:
-    from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
+    from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
     from embshard_types.env import ShardingEnv
 
     sharder = EmbeddingBagCollectionSharder()

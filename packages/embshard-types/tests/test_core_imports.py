@@ -19,6 +19,7 @@ MODULES = [
     "parameter_sharding",
     "plan",
     "shard_spec",
+    "sharded_module",
     "text_table",
     "vocab",
 ]

@@ -1,5 +1,5 @@
-"""Interfaces: ShardedModule's composed forward and write, ModuleSharder defaults, planners,
-contexts, cache statistics and tensor sizes (packed 4-bit / 2-bit types included)."""
+"""Interfaces: ShardedModule's composed forward, ModuleSharder defaults, planners, contexts and
+tensor sizes (packed 4-bit / 2-bit types included)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from embshard_types.awaitables import Awaitable, LazyAwaitable, LazyNoWait, NoWa
 from embshard_types.comm_codec import QuantizedCommCodecs
 from embshard_types.env import ShardingEnv
 from embshard_types.interfaces import (
-    CacheStatistics,
     ModuleSharder,
     Multistreamable,
     NullShardedModuleContext,
-    NullShardingContext,
     ShardedModule,
     ShardingPlanner,
     get_tensor_size_bytes,
@@ -59,9 +57,8 @@ def test_tensor_size_of_ordinary_types() -> None:
 def test_null_contexts() -> None:
     stream = torch.Stream("cpu") if hasattr(torch, "Stream") else None
     ctx = NullShardedModuleContext()
-    assert isinstance(ctx, Multistreamable) and isinstance(NullShardingContext(), Multistreamable)
+    assert isinstance(ctx, Multistreamable)
     ctx.record_stream(stream)  # type: ignore[arg-type]
-    NullShardingContext().record_stream(None)
     with pytest.raises(AttributeError, match="holds no state \\(tried to set 'x'\\)"):
         ctx.x = 1
 
@@ -85,7 +82,6 @@ class ScaledSharded(ShardedModule[torch.Tensor, torch.Tensor, torch.Tensor, _Ctx
         super().__init__(**kwargs)
         self.scale = nn.Parameter(torch.tensor(3.0))
         self.contexts: list[_Ctx] = []
-        self.rows: list[torch.Tensor] = []
 
     def create_context(self) -> _Ctx:
         ctx = _Ctx()
@@ -112,18 +108,6 @@ class ScaledSharded(ShardedModule[torch.Tensor, torch.Tensor, torch.Tensor, _Ctx
         return nn.Linear
 
 
-class WritableSharded(ScaledSharded):
-    def write_dist(
-        self, ctx: _Ctx, *input: Any, **kwargs: Any
-    ) -> Awaitable[Awaitable[torch.Tensor]]:
-        ctx.calls.append("write_dist")
-        return NoWait(NoWait(input[0]))
-
-    def update(self, ctx: _Ctx, dist_input: torch.Tensor) -> None:
-        ctx.calls.append("update")
-        self.rows.append(dist_input)
-
-
 def test_forward_composes_input_dist_compute_output_dist() -> None:
     module = ScaledSharded()
     out = module(torch.tensor([1.0, 2.0]))
@@ -143,17 +127,6 @@ def test_gradients_flow_through_the_lazy_output() -> None:
     torch.testing.assert_close(module.scale.grad, torch.tensor(6.0))
 
 
-def test_write_needs_write_dist_and_update() -> None:
-    with pytest.raises(NotImplementedError, match="ScaledSharded does not support writes"):
-        ScaledSharded().write(torch.ones(1))
-    with pytest.raises(NotImplementedError, match="load_state_dict"):
-        ScaledSharded().update(_Ctx(), torch.ones(1))
-    module = WritableSharded()
-    module.write(torch.ones(2))
-    assert module.contexts[0].calls == ["write_dist", "update"]
-    torch.testing.assert_close(module.rows[0], torch.ones(2))
-
-
 def test_sharded_module_defaults() -> None:
     module = ScaledSharded()
     assert module.qcomm_codecs_registry == {}
@@ -162,7 +135,6 @@ def test_sharded_module_defaults() -> None:
     assert list(module.sharded_parameter_names()) == ["scale"]
     assert list(module.sharded_parameter_names("ebc")) == ["ebc.scale"]
     assert module.copy(torch.device("cpu")) is module
-    assert module.prefetch(torch.ones(1)) is None
     assert module.unsharded_module_type is nn.Linear
 
 
@@ -244,29 +216,3 @@ def test_planner_interface() -> None:
     assert planner.collective_plan(nn.Linear(1, 1), []) is plan
     with pytest.raises(TypeError, match="abstract"):
         ShardingPlanner()  # type: ignore[abstract]
-
-
-# --- CacheStatistics ----------------------------------------------------------------------------
-
-
-def test_cache_statistics_is_abstract_and_implementable() -> None:
-    class Uniform(CacheStatistics):
-        @property
-        def expected_lookups(self) -> float:
-            return 10.0
-
-        def expected_miss_rate(self, clf: float) -> float:
-            return 1.0 - clf
-
-        @property
-        def cacheability(self) -> float:
-            return 1.0
-
-    stats = Uniform()
-    assert (stats.expected_lookups, stats.expected_miss_rate(0.25), stats.cacheability) == (
-        10.0,
-        0.75,
-        1.0,
-    )
-    with pytest.raises(TypeError, match="abstract"):
-        CacheStatistics()  # type: ignore[abstract]

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from plan_strategies import cache_params, key_value_params
 
-from embshard_types.interfaces import CacheStatistics
 from embshard_types.kernel_params import (
     BoundsCheckMode,
     CacheAlgorithm,
@@ -17,19 +16,6 @@ from embshard_types.kernel_params import (
     MultiPassPrefetchConfig,
 )
 from embshard_types.vocab import DataType
-
-
-class Stats(CacheStatistics):
-    @property
-    def expected_lookups(self) -> float:
-        return 100.0
-
-    def expected_miss_rate(self, clf: float) -> float:
-        return 1.0 - clf
-
-    @property
-    def cacheability(self) -> float:
-        return 0.5
 
 
 def test_enum_names_match_fbgemm() -> None:
@@ -74,17 +60,6 @@ def test_cache_params_convert_strings_and_ints() -> None:
     assert cp.multipass_prefetch_config == MultiPassPrefetchConfig(num_passes=2)
 
 
-def test_cache_stats_are_kept_but_not_compared_or_serialised() -> None:
-    stats = Stats()
-    cp = CacheParams(load_factor=0.1, stats=stats)
-    assert cp.stats is stats
-    assert cp == CacheParams(load_factor=0.1)
-    assert hash(cp) == hash(CacheParams(load_factor=0.1))
-    assert "stats" not in cp.to_dict()
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['stats'\]"):
-        CacheParams.from_dict({"stats": None})
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -97,7 +72,6 @@ def test_cache_stats_are_kept_but_not_compared_or_serialised() -> None:
         ({"algorithm": "fifo"}, ValueError, "unknown CacheAlgorithm 'fifo' for cache algorithm"),
         ({"precision": "fp8"}, ValueError, "unknown DataType 'fp8' for cache precision"),
         ({"prefetch_pipeline": 1}, ValueError, "prefetch_pipeline must be a bool"),
-        ({"stats": 3}, TypeError, "stats must be a CacheStatistics"),
         ({"multipass_prefetch_config": 3}, TypeError, "must be a MultiPassPrefetchConfig"),
     ],
 )

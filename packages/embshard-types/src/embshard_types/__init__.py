@@ -1,9 +1,7 @@
 """embshard-types: the sharding vocabulary every embshard package speaks.
 
-Sharding and kernel enums, table configs, shard specs and plans (with an exact JSON round
-trip), awaitables, quantized-comm codec protocol, sharding environments, the sharded-module
-interfaces and the sparse inputs (JaggedTensor, KeyedJaggedTensor, KeyedTensor). Depends on
-torch only; importing it loads no FBGEMM, ShardedTensor or DTensor and touches no CUDA device.
+Depends on torch only; importing it loads no FBGEMM, ShardedTensor or DTensor and touches no
+CUDA device.
 """
 
 from __future__ import annotations
@@ -26,17 +24,7 @@ from embshard_types.comm_codec import (
 )
 from embshard_types.configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from embshard_types.env import ShardingEnv, ShardingEnv2D, rank_device
-from embshard_types.interfaces import (
-    CacheStatistics,
-    ModuleSharder,
-    Multistreamable,
-    NullShardedModuleContext,
-    NullShardingContext,
-    ShardedModule,
-    ShardedModuleContext,
-    ShardingPlanner,
-    get_tensor_size_bytes,
-)
+from embshard_types.interfaces import ModuleSharder, ShardingPlanner, get_tensor_size_bytes
 from embshard_types.kernel_params import (
     BoundsCheckMode,
     CacheAlgorithm,
@@ -55,6 +43,12 @@ from embshard_types.plan import (
     validate_plan_for_world,
 )
 from embshard_types.shard_spec import ShardSpec
+from embshard_types.sharded_module import (
+    Multistreamable,
+    NullShardedModuleContext,
+    ShardedModule,
+    ShardedModuleContext,
+)
 from embshard_types.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from embshard_types.vocab import (
     CommOp,
@@ -113,11 +107,9 @@ __all__ = [
     "ShardingEnv",
     "ShardingEnv2D",
     "rank_device",
-    "CacheStatistics",
     "ModuleSharder",
     "Multistreamable",
     "NullShardedModuleContext",
-    "NullShardingContext",
     "ShardedModule",
     "ShardedModuleContext",
     "ShardingPlanner",

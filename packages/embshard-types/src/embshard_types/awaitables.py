@@ -1,22 +1,9 @@
 """Awaitables: values that a collective is still producing.
 
-A sharded module starts its communication and hands back an ``Awaitable``; calling ``wait()``
-blocks until the value is ready and then applies the awaitable's callbacks in the order they were
-added. A ``LazyAwaitable`` goes further and waits by itself, at the last possible moment, so that
-model code can use it as if it already were the value:
-
-* passed to a torch function or tensor method (also inside lists, tuples and dicts of arguments,
-  through ``__torch_function__``);
-* under every arithmetic, bitwise and comparison operator and its reflected form
-  (``+ - * / // % ** @ & | ^ << >>``, ``== != < <= > >=``, unary ``- + abs ~``) and indexing;
-* on reading an attribute it does not have itself (``lazy.shape``).
-
-Guarantees: a ``LazyAwaitable`` waits at most once, however it is triggered (explicit ``wait()``
-included), and returns the cached result afterwards, even when that result is ``None``. Dunder
-look-ups (``copy``/``pickle`` probing ``__deepcopy__``, ``__setstate__``...) never trigger a
-wait. ``bool()``, ``len()`` and iteration are not forwarded: call ``wait()`` first. Importing this
-module touches no accelerator; ``DeviceToHostTensorAwaitable`` uses a CUDA event only for a CUDA
-tensor.
+``wait()`` blocks until the value is ready, then applies the callbacks in order. A
+``LazyAwaitable`` waits by itself when used as the value (torch functions, operators, indexing,
+missing attributes), at most once, caching the result; dunder look-ups, ``bool()``, ``len()``
+and iteration never trigger a wait. Importing this module touches no accelerator.
 """
 
 from __future__ import annotations
@@ -48,11 +35,7 @@ ParentW = TypeVar("ParentW")
 
 
 class Awaitable(abc.ABC, Generic[W]):
-    """A value that becomes available on ``wait()``.
-
-    Subclasses implement ``_wait_impl``. ``callbacks`` is a list of functions; ``wait()`` feeds the
-    result of ``_wait_impl`` through them in order and returns what the last one returns.
-    """
+    """A value that becomes available on ``wait()``; subclasses implement ``_wait_impl``."""
 
     def __init__(self) -> None:
         self._callbacks: list[Callable[[W], W]] = []
@@ -76,11 +59,7 @@ class Awaitable(abc.ABC, Generic[W]):
 
 
 class NoWait(Awaitable[W]):
-    """An awaitable whose value is already known.
-
-    Args:
-        obj: the value ``wait()`` returns (after the callbacks).
-    """
+    """An awaitable whose value ``obj`` is already known."""
 
     def __init__(self, obj: W) -> None:
         super().__init__()
@@ -91,10 +70,7 @@ class NoWait(Awaitable[W]):
 
 
 def _resolve(obj: Any) -> Any:
-    """Replace every ``LazyAwaitable`` in ``obj`` (recursing into lists, tuples, dicts) by its value.
-
-    Containers without awaitables are returned as they are (same object).
-    """
+    """Replace every ``LazyAwaitable`` in ``obj`` (and its lists, tuples, dicts) by its value."""
     if isinstance(obj, LazyAwaitable):
         return obj.wait()
     if isinstance(obj, list | tuple):
@@ -153,13 +129,9 @@ _INTERNAL = frozenset({"_callbacks", "_lazy_done", "_lazy_result", "_lazy_waitin
 
 
 class LazyAwaitable(Awaitable[W], metaclass=_LazyAwaitableMeta):
-    """An awaitable that waits on its own when its value is used.
+    """An awaitable that waits on its own, once, when its value is used.
 
-    See the module docstring for what triggers the wait. The first wait runs ``_wait_impl`` and
-    the callbacks; every later use returns the cached result. Callbacks added after the wait do
-    not run.
-
-    Subclasses must call ``super().__init__()`` before anything else.
+    Callbacks added after the wait do not run. Subclasses must call ``super().__init__()`` first.
     """
 
     def __init__(self) -> None:
@@ -251,11 +223,7 @@ class LazyAwaitable(Awaitable[W], metaclass=_LazyAwaitableMeta):
 
 
 class LazyNoWait(LazyAwaitable[W]):
-    """A lazy awaitable whose value is already known.
-
-    Args:
-        obj: the value the awaitable stands for (fed through the callbacks on first use).
-    """
+    """A lazy awaitable whose value ``obj`` is already known."""
 
     def __init__(self, obj: W) -> None:
         super().__init__()
@@ -266,11 +234,9 @@ class LazyNoWait(LazyAwaitable[W]):
 
 
 class LazyGetItemMixin(Generic[KT, VT_co]):
-    """Makes ``awaitable[key]`` another lazy awaitable instead of a wait.
+    """Makes ``awaitable[key]`` a ``GetItemLazyAwaitable`` instead of a wait.
 
-    For awaitables of keyed collections (a dict, a ``KeyedTensor``): ``awaitable["f1"]`` returns a
-    ``GetItemLazyAwaitable`` that waits on the parent only when its own value is used. List this
-    mixin before ``LazyAwaitable`` among the bases so that its ``__getitem__`` wins.
+    List this mixin before ``LazyAwaitable`` among the bases so that its ``__getitem__`` wins.
     """
 
     def __getitem__(self, key: KT) -> LazyAwaitable[VT_co]:
@@ -282,13 +248,7 @@ class LazyGetItemMixin(Generic[KT, VT_co]):
 
 
 class GetItemLazyAwaitable(LazyAwaitable[W], Generic[W, ParentW, KT]):
-    """The value ``parent.wait()[key]``, computed when first used.
-
-    Args:
-        parent: the awaitable of the collection (a ``LazyAwaitable`` parent waits only once,
-            however many items are taken from it).
-        key: the item to take from the parent's value.
-    """
+    """The value ``parent.wait()[key]``, computed when first used."""
 
     def __init__(self, parent: Awaitable[ParentW], key: KT) -> None:
         super().__init__()
@@ -303,12 +263,8 @@ class GetItemLazyAwaitable(LazyAwaitable[W], Generic[W, ParentW, KT]):
 class DeviceToHostTensorAwaitable(LazyAwaitable[torch.Tensor]):
     """A tensor being copied to host memory.
 
-    A CUDA tensor is copied asynchronously into pinned host memory and a CUDA event marks the
-    copy's end; ``wait()`` synchronises on that event. A CPU tensor is copied at once (the result
-    never aliases the input); other devices copy synchronously.
-
-    Args:
-        tensor_on_device: the tensor to bring to the host.
+    A CUDA tensor is copied asynchronously into pinned memory and ``wait()`` synchronises on a
+    CUDA event; other tensors are copied at once (the result never aliases the input).
     """
 
     def __init__(self, tensor_on_device: torch.Tensor) -> None:

@@ -1,12 +1,8 @@
 """Quantized communication codecs: how a collective's payload is compressed on the wire.
 
-A codec encodes a float tensor before a collective (all-to-all, reduce-scatter) and decodes what
-arrives. ``QuantizedCommCodecs`` pairs the codec of the forward pass with the one of the backward
-pass; a registry maps a ``CommOp`` value to such a pair.
-
-Guarantees: ``NoOpQuantizedCommCodec`` returns its input unchanged (the same tensor object) and
-reports sizes unchanged; ``QuantizedCommCodecs`` defaults to no-op codecs both ways and rejects,
-with a ``TypeError``, anything that does not look like a codec.
+A codec encodes a tensor before a collective and decodes what arrives; ``QuantizedCommCodecs``
+pairs the forward and backward codecs (no-op by default) and rejects non-codecs with a
+``TypeError``. ``NoOpQuantizedCommCodec`` returns its input unchanged (the same object).
 """
 
 from __future__ import annotations
@@ -31,31 +27,20 @@ QuantizationContext = TypeVar("QuantizationContext")
 class QuantizedCommCodec(Protocol[QuantizationContext]):
     """Encodes tensors for a collective and decodes the received ones.
 
-    The expected round trip is ``decode(collective(encode(x)))`` ≈ ``collective(x)``;
-    ``encode(x).dtype == quantized_dtype``. A context (from ``create_context``) carries
-    per-call parameters (scales, padding) from ``encode`` to ``decode``.
+    ``decode(collective(encode(x)))`` ≈ ``collective(x)``; a context from ``create_context``
+    carries per-call parameters (scales, padding) from ``encode`` to ``decode``.
     """
 
     def encode(
         self, input_tensor: torch.Tensor, ctx: QuantizationContext | None = None
     ) -> torch.Tensor:
-        """Compress ``input_tensor`` for sending.
-
-        Args:
-            input_tensor: the float payload.
-            ctx: the context of this call, from ``create_context``.
-        """
+        """Compress ``input_tensor`` for sending."""
         ...
 
     def decode(
         self, input_grad: torch.Tensor, ctx: QuantizationContext | None = None
     ) -> torch.Tensor:
-        """Decompress a received tensor.
-
-        Args:
-            input_grad: the received, encoded tensor.
-            ctx: the context passed to the matching ``encode``.
-        """
+        """Decompress a received tensor (``ctx`` as passed to the matching ``encode``)."""
         ...
 
     @property
@@ -64,12 +49,7 @@ class QuantizedCommCodec(Protocol[QuantizationContext]):
         ...
 
     def calc_quantized_size(self, input_len: int, ctx: QuantizationContext | None = None) -> int:
-        """Length of the encoded tensor for an input of ``input_len`` elements.
-
-        Args:
-            input_len: number of elements of the input.
-            ctx: the context of this call.
-        """
+        """Length of the encoded tensor for an input of ``input_len`` elements."""
         ...
 
     def create_context(self) -> QuantizationContext | None:
@@ -83,23 +63,16 @@ class QuantizedCommCodec(Protocol[QuantizationContext]):
         my_rank: int,
         qcomm_ctx: QuantizationContext,
     ) -> tuple[int, int]:
-        """``(padded_dim_sum, padding_size)`` of ``input_tensor`` before encoding.
+        """``(padded_dim_sum, padding_size)`` of ``input_tensor`` (1-D or ``[batch, dim_sum]``).
 
         Args:
-            input_tensor: a 1-D tensor, or a 2-D ``[batch, dim_sum]`` one.
             dim_per_rank: the embedding width each rank sends.
-            my_rank: this rank.
-            qcomm_ctx: the context of this call.
         """
         ...
 
 
 class NoOpQuantizedCommCodec(Generic[QuantizationContext]):
-    """The identity codec: sends tensors as they are.
-
-    Args:
-        dtype: the dtype it reports as ``quantized_dtype`` (the payload's own dtype).
-    """
+    """The identity codec: sends tensors as they are and reports ``dtype`` as quantized."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self._dtype = dtype
@@ -158,12 +131,7 @@ def _check_codec(codec: Any, which: str) -> None:
 
 @dataclass(frozen=True)
 class QuantizedCommCodecs:
-    """The codecs of one collective: ``forward`` for the forward pass, ``backward`` for gradients.
-
-    Args:
-        forward: the codec applied to the forward payload (default: no-op).
-        backward: the codec applied to the gradients in the backward pass (default: no-op).
-    """
+    """The codecs of one collective: ``forward`` for its payload, ``backward`` for gradients."""
 
     forward: QuantizedCommCodec[Any] = field(default_factory=NoOpQuantizedCommCodec)
     backward: QuantizedCommCodec[Any] = field(default_factory=NoOpQuantizedCommCodec)

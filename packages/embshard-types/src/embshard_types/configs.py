@@ -1,8 +1,7 @@
 """Table configurations: what a user declares about each embedding table.
 
-Guarantees: configs are frozen and hashable; construction validates names, sizes, feature names
-and enum fields (strings are accepted and converted) and raises a ``ValueError`` naming the table
-and the field otherwise. ``init_range`` defaults to ``(-sqrt(1/rows), sqrt(1/rows))``.
+Configs are frozen and hashable and validated at construction (``ValueError`` naming the table
+and field); enum fields accept their strings.
 """
 
 from __future__ import annotations
@@ -18,13 +17,9 @@ class BaseEmbeddingConfig:
     """Fields shared by pooled and sequence tables.
 
     Args:
-        name: the table's name, unique within a collection.
-        num_embeddings: number of rows.
-        embedding_dim: width of each row.
         feature_names: the input features that read this table (at least one).
-        data_type: storage type of the weights.
-        init_range: uniform initialisation bounds; ``None`` means ``±sqrt(1/num_embeddings)``.
-            Read them back as ``weight_init_min`` / ``weight_init_max`` (TorchRec's names).
+        init_range: uniform initialisation bounds (default ``±sqrt(1/num_embeddings)``), read
+            back as ``weight_init_min`` / ``weight_init_max``.
         need_pos: whether the table needs positions of ids within a bag.
     """
 

@@ -1,13 +1,9 @@
 """Sharding environments: which ranks a model is sharded over, and this process's place in them.
 
-``ShardingEnv`` wraps a process group (training) or just a world size and rank (single-host
-inference, planning). ``ShardingEnv2D`` shards within a *sharding group* and replicates across
-groups: ``world_size`` and ``rank`` are relative to the sharding group, ``global_world_size``
-and ``global_rank`` to the whole job, and ``process_group`` is the global group.
-
-Guarantees: ranks and sizes are validated at construction (``ValueError`` saying which value is
-out of range); a device mesh is built only when first read, and ``torch.distributed.device_mesh``
-is imported only then.
+``ShardingEnv`` wraps a process group, or just a world size and rank. ``ShardingEnv2D`` shards
+within a sharding group and replicates across groups (``world_size`` / ``rank`` are relative to
+the group, ``global_*`` to the job). Ranks are validated at construction; a device mesh is built,
+and ``torch.distributed.device_mesh`` imported, only when first read.
 """
 
 from __future__ import annotations
@@ -51,11 +47,9 @@ class ShardingEnv:
     """The ranks a model is sharded over.
 
     Args:
-        world_size: number of ranks.
-        rank: this process's rank, in ``[0, world_size)``.
         pg: the process group of those ranks (``None`` for local, single-process use).
         output_dtensor: whether sharded modules expose their shards as DTensors.
-        device_mesh: the 1-D mesh of ``pg``; built from ``pg`` on first read when not given.
+        device_mesh: the 1-D mesh of ``pg``; built on first read when not given.
     """
 
     def __init__(
@@ -91,22 +85,12 @@ class ShardingEnv:
 
     @classmethod
     def from_process_group(cls, pg: dist.ProcessGroup, output_dtensor: bool = False) -> ShardingEnv:
-        """An environment over the ranks of ``pg`` (the usual choice for training).
-
-        Args:
-            pg: an initialised process group this process belongs to.
-            output_dtensor: whether sharded modules expose their shards as DTensors.
-        """
+        """An environment over the ranks of the initialised group ``pg`` (for training)."""
         return cls(dist.get_world_size(pg), dist.get_rank(pg), pg, output_dtensor)
 
     @classmethod
     def from_local(cls, world_size: int, rank: int) -> ShardingEnv:
-        """An environment without a process group (single-host inference, planning).
-
-        Args:
-            world_size: number of ranks.
-            rank: this process's rank, in ``[0, world_size)``.
-        """
+        """An environment without a process group (single-host inference, planning)."""
         return cls(world_size, rank, None)
 
     def __repr__(self) -> str:
@@ -125,12 +109,10 @@ class ShardingEnv2D(ShardingEnv):
     With it they are contiguous blocks: position ``r % world_size`` of group ``r // world_size``.
 
     Args:
-        sharding_pg: this process's sharding group (the ranks a model copy is sharded over).
-        global_pg: all ranks of the job.
+        sharding_pg: the ranks this process's model copy is sharded over.
         device_mesh: the 2-D ``(replicate, shard)`` mesh, if one was built.
-        node_group_size: ranks per node (for node-aware sharding types), if known.
         use_inter_host_allreduce: whether sharding groups are contiguous blocks of ranks.
-        replica_pg: the group of ranks holding the same shards in the other sharding groups.
+        replica_pg: the ranks holding the same shards in the other sharding groups.
     """
 
     def __init__(
@@ -188,14 +170,9 @@ class ShardingEnv2D(ShardingEnv):
     def remap_rank(self, rank: int, sharding_type: ShardingType | str) -> int:
         """The position of global rank ``rank`` within its sharding group.
 
-        Only table-wise, column-wise and grid sharding place shards by this position.
-
-        Args:
-            rank: a global rank, in ``[0, global_world_size)``.
-            sharding_type: the sharding type being placed.
-
         Raises:
-            ValueError: the rank is out of range, or the sharding type needs no remapping.
+            ValueError: the rank is out of range, or ``sharding_type`` is not table-wise,
+                column-wise or grid (the only ones placed by this position).
         """
         st = ShardingType.parse(sharding_type, what="remap_rank")
         if st not in _REMAPPED_TYPES:
@@ -213,12 +190,7 @@ class ShardingEnv2D(ShardingEnv):
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
-    """The device rank ``rank`` computes on: ``cpu`` for the CPU, ``DEVICE:RANK`` otherwise.
-
-    Args:
-        device_type: ``"cpu"``, ``"cuda"``, ``"mtia"``...
-        rank: the rank (its device index), ``>= 0``.
-    """
+    """The device rank ``rank`` computes on: ``cpu`` for the CPU, ``DEVICE:RANK`` otherwise."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank_device: rank must be a non-negative int, got {rank!r}")
     if device_type in ("cpu", "meta"):

@@ -1,12 +1,8 @@
-"""Per-table kernel options a sharding plan can carry: caching, key-value storage, bounds checks.
+"""Per-table kernel options a plan can carry: caching, key-value storage, bounds checks.
 
-These mirror the FBGEMM options TorchRec passes through (``CacheAlgorithm``, ``BoundsCheckMode``,
-``MultiPassPrefetchConfig``) as embshard's own enums and frozen dataclasses, so that plans can be
-built, compared and serialised without importing FBGEMM; the kernels package maps them by name.
-
-Guarantees: every class is frozen and hashable, validates its fields at construction (accepting
-enum values as strings and lists for tuples) and round-trips exactly through ``to_dict`` /
-``from_dict`` (``CacheParams.stats`` excepted: it is not part of equality and not serialised).
+embshard's own mirrors of FBGEMM's options, so plans need no FBGEMM (the kernels package maps
+them by name). Every class is frozen, hashable, validated at construction (enum values may be
+strings) and round-trips exactly through ``to_dict`` / ``from_dict``.
 """
 
 from __future__ import annotations
@@ -14,11 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from enum import unique
 from typing import Any, Self
 
-from embshard_types.interfaces import CacheStatistics
 from embshard_types.vocab import DataType, ParsableEnum
 
 __all__ = [
@@ -52,13 +47,7 @@ class BoundsCheckMode(ParsableEnum):
 
 
 def check_keys(data: Any, allowed: Iterable[str], what: str) -> None:
-    """Raise unless ``data`` is a mapping whose keys are all in ``allowed``.
-
-    Args:
-        data: the dict being read.
-        allowed: the field names it may hold.
-        what: what the dict describes, for the message.
-    """
+    """Raise unless ``data`` is a mapping whose keys are all in ``allowed`` (``what`` names it)."""
     if not isinstance(data, Mapping):
         raise TypeError(f"{what} must be a mapping, got {data!r}")
     allowed = set(allowed)
@@ -69,11 +58,7 @@ def check_keys(data: Any, allowed: Iterable[str], what: str) -> None:
 
 @contextmanager
 def error_context(prefix: str) -> Iterator[None]:
-    """Prefix the message of a ``ValueError`` / ``TypeError`` raised inside with ``prefix``.
-
-    Args:
-        prefix: where the error happened, e.g. ``"table 't1'"``.
-    """
+    """Prefix the message of a ``ValueError`` / ``TypeError`` raised inside with ``prefix``."""
     try:
         yield
     except ValueError as e:
@@ -107,12 +92,12 @@ def _to_plain(value: Any) -> Any:
     return to_dict() if callable(to_dict) else value
 
 
-def dataclass_to_dict(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def dataclass_to_dict(obj: Any) -> dict[str, Any]:
     """The non-``None`` fields of ``obj`` as JSON-ready values."""
     out: dict[str, Any] = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if f.name not in skip and value is not None:
+        if value is not None:
             out[f.name] = _to_plain(value)
     return out
 
@@ -149,13 +134,9 @@ class CacheParams:
     """How a table's device cache of hot rows is set up (UVM caching kernels).
 
     Args:
-        algorithm: eviction policy.
         load_factor: the fraction of the table's rows the cache holds, in ``(0, 1]``.
         reserved_memory: memory (GB) kept free of cache on the device, ``>= 0``.
-        precision: the dtype of cached rows (ideally the table's own).
         prefetch_pipeline: whether a pipeline prefetches rows into the cache ahead of lookups.
-        stats: access statistics for planning the cache size (not compared, not serialised).
-        multipass_prefetch_config: how to split prefetches into passes.
     """
 
     algorithm: CacheAlgorithm | None = None
@@ -163,7 +144,6 @@ class CacheParams:
     reserved_memory: float | None = None
     precision: DataType | None = None
     prefetch_pipeline: bool | None = None
-    stats: CacheStatistics | None = field(default=None, compare=False)
     multipass_prefetch_config: MultiPassPrefetchConfig | None = None
 
     def __post_init__(self) -> None:
@@ -187,8 +167,6 @@ class CacheParams:
                 raise ValueError(f"CacheParams.{name} must be {bound}, got {value!r}")
             object.__setattr__(self, name, value)
         _optional_bool(self, "prefetch_pipeline")
-        if self.stats is not None and not isinstance(self.stats, CacheStatistics):
-            raise TypeError(f"CacheParams.stats must be a CacheStatistics, got {self.stats!r}")
         mp = self.multipass_prefetch_config
         if isinstance(mp, Mapping):
             object.__setattr__(
@@ -200,14 +178,13 @@ class CacheParams:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """The non-``None`` fields (``stats`` excluded) as a JSON-ready dict."""
-        return dataclass_to_dict(self, skip=("stats",))
+        """The non-``None`` fields as a JSON-ready dict."""
+        return dataclass_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Self:
         """Inverse of ``to_dict``."""
-        allowed = [f.name for f in fields(cls) if f.name != "stats"]
-        check_keys(data, allowed, "cache params")
+        check_keys(data, (f.name for f in fields(cls)), "cache params")
         return cls(**data)
 
 
@@ -235,26 +212,15 @@ _KV_BOOLS = (
 class KeyValueParams:
     """Options of a key-value (SSD or parameter-server backed) table.
 
+    Field names and meanings are FBGEMM's / TorchRec's.
+
     Args:
         ssd_storage_directory: directory of the SSD store; ``"@local_rank"`` in it is replaced
             by the local rank.
-        ssd_rocksdb_write_buffer_size: RocksDB write buffer size per kernel.
-        ssd_rocksdb_shards: RocksDB shards.
-        gather_ssd_cache_stats: whether to collect SSD cache statistics.
-        stats_report_interval: iterations between statistics reports.
         use_passed_in_path: use ``ssd_storage_directory`` rather than the default mount path.
         l2_cache_size: L2 cache size per kernel, in GB.
         max_l1_cache_size: largest L1 cache per kernel, in MB.
-        enable_async_update: update the L2 cache asynchronously.
-        bulk_init_chunk_size: rows inserted per chunk at initialisation.
-        lazy_bulk_init_enabled: initialise the store asynchronously.
-        enable_raw_embedding_streaming: stream raw embeddings out of the store.
-        res_store_shards: shards that store the raw embeddings.
-        kvzch_eviction_trigger_mode: eviction trigger mode of the zero-collision store.
         ps_hosts: parameter-server ``(host, port)`` pairs.
-        ps_client_thread_num: parameter-server client threads.
-        ps_max_key_per_request: most keys per parameter-server request.
-        ps_max_local_index_length: longest local index of the parameter-server client.
     """
 
     ssd_storage_directory: str | None = None

@@ -1,10 +1,8 @@
-"""How one table is sharded: type, kernel, ranks, shard specs and kernel options (and, for
-row-wise tables cut into buckets, which buckets each shard holds).
+"""How one table is sharded: type, kernel, ranks, shard specs and kernel options.
 
-Guarantees: ``ParameterSharding`` is frozen and hashable; construction converts strings to the
-enum fields, lists to tuples and dicts to ``ShardSpec`` / ``CacheParams`` / ``KeyValueParams``,
-and checks that ranks are non-negative, that there is one rank per shard and that each shard is
-placed on its rank (``ValueError`` otherwise). ``from_dict(to_dict())`` returns an equal object.
+``ParameterSharding`` is frozen and hashable, converts strings, lists and dicts to its field
+types and checks ranks against shards (``ValueError``); ``from_dict(to_dict())`` equals the
+original. ``ShardingBucketMetadata`` says which row buckets each shard holds.
 """
 
 from __future__ import annotations
@@ -44,21 +42,12 @@ def _as_shard(item: Any, index: int) -> ShardSpec:
 class ParameterSharding:
     """How one parameter (usually a table) is sharded.
 
-    ``ranks`` per sharding type: table-wise, the rank holding the table; column-wise and grid,
-    the rank of each shard; row-wise and table-row-wise, the rank of each row block;
-    data-parallel, the ranks holding a replica (or ``None``).
-
     Args:
-        sharding_type: how the table is split.
-        compute_kernel: the kernel that looks its rows up.
-        ranks: the rank of each shard (``shards[i]`` lives on ``ranks[i]``).
+        ranks: the rank of each shard (``shards[i]`` lives on ``ranks[i]``); for data-parallel,
+            the ranks holding a replica (or ``None``).
         shards: offsets, sizes and placement of each shard (not for data-parallel tables).
-        cache_params: device-cache options (UVM caching kernels).
         enforce_hbm: keep the weights in device memory.
-        stochastic_rounding: round stochastically when storing reduced-precision weights.
-        bounds_check_mode: what the kernel does with out-of-range ids.
         output_dtype: dtype of the looked-up embeddings.
-        key_value_params: options of key-value tables.
     """
 
     sharding_type: ShardingType
@@ -173,15 +162,7 @@ class ParameterSharding:
         return tuple(out)
 
     def check_world(self, world_size: int, table: str | None = None) -> None:
-        """Raise unless every rank of this sharding is in ``[0, world_size)``.
-
-        Args:
-            world_size: the number of ranks the plan will run on.
-            table: the table's name, for the message.
-
-        Raises:
-            ValueError: e.g. ``rank 3 is outside the world of size 2 (table 't1')``.
-        """
+        """Raise ``ValueError`` unless every rank is in ``[0, world_size)`` (``table`` names it)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         where = f" (table {table!r})" if table is not None else ""
@@ -198,12 +179,7 @@ class ParameterSharding:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], table: str | None = None) -> Self:
-        """Inverse of ``to_dict``.
-
-        Args:
-            data: the dict.
-            table: the table's name; errors are prefixed with it.
-        """
+        """Inverse of ``to_dict``; errors are prefixed with ``table``, if given."""
         prefix = f"table {table!r}" if table is not None else "parameter sharding"
         with error_context(prefix):
             check_keys(data, (f.name for f in fields(cls)), "parameter sharding")
@@ -218,9 +194,7 @@ class ShardingBucketMetadata:
     """How a row-wise table is cut into equal buckets of rows, and which buckets each shard has.
 
     Args:
-        num_buckets_per_shard: number of buckets in each shard.
-        bucket_offsets_per_shard: index of each shard's first bucket (the running sum of the
-            previous shards' bucket counts).
+        bucket_offsets_per_shard: index of each shard's first bucket (running sum of the counts).
         bucket_size: rows per bucket.
     """
 

@@ -1,16 +1,9 @@
 """Sharding plans: how each table of each module is split across ranks.
 
-A ``ParameterSharding`` says how one table is sharded (type, kernel, ranks, shard specs, kernel
-options). An ``EmbeddingModuleShardingPlan`` maps the table names of one module to them, and a
-``ShardingPlan`` maps module paths to module plans. ``DMPCollectionConfig`` pairs a plan with the
-sizes of a 2-D (sharded within groups, replicated across them) layout.
-
-Guarantees: every plan object is immutable and hashable and validated at construction (enum
-fields accept their string values; bad input raises ``ValueError`` naming the table or module
-and the problem). Plans round-trip exactly: ``ShardingPlan.from_dict(p.to_dict()) == p`` and
-``ShardingPlan.from_json(p.to_json()) == p``. The dict format carries a ``"version"``; reading a
-newer version than ``PLAN_FORMAT_VERSION`` raises a ``ValueError`` asking for an upgrade.
-``DMPCollectionConfig`` checks at construction that its plan's ranks fit one sharding group.
+``EmbeddingModuleShardingPlan`` maps a module's tables to ``ParameterSharding``s,
+``ShardingPlan`` maps module paths to module plans; ``DMPCollectionConfig`` pairs a plan with a
+2-D layout. Plans are immutable, hashable, validated at construction and round-trip exactly
+through dict / JSON (versioned by ``PLAN_FORMAT_VERSION``; newer versions are refused).
 """
 
 from __future__ import annotations
@@ -24,9 +17,9 @@ from typing import Any, ClassVar, Self
 
 from torch import nn
 
-from embshard_types.interfaces import ShardedModule
 from embshard_types.kernel_params import CacheParams, KeyValueParams, check_keys, error_context
 from embshard_types.parameter_sharding import ParameterSharding, ShardingBucketMetadata
+from embshard_types.sharded_module import ShardedModule
 from embshard_types.text_table import tabulate
 from embshard_types.vocab import ObjectPoolShardingType
 
@@ -45,7 +38,6 @@ __all__ = [
 ]
 
 PLAN_FORMAT_VERSION = 1
-"""Version of the dict / JSON format ``ShardingPlan.to_dict`` writes."""
 
 
 class ModuleShardingPlan(abc.ABC):
@@ -88,11 +80,7 @@ class ModuleShardingPlan(abc.ABC):
 class EmbeddingModuleShardingPlan(
     ModuleShardingPlan, Mapping[str, ParameterSharding], kind="embedding"
 ):
-    """The sharding of each table of an embedding module (an immutable mapping).
-
-    Args:
-        tables: table name -> its sharding.
-    """
+    """The sharding of each table of an embedding module: table name -> ``ParameterSharding``."""
 
     def __init__(
         self, tables: Mapping[str, ParameterSharding] | Iterable[tuple[str, ParameterSharding]] = ()
@@ -160,12 +148,7 @@ class EmbeddingModuleShardingPlan(
 
 @dataclass(frozen=True)
 class ObjectPoolShardingPlan(ModuleShardingPlan, kind="object_pool"):
-    """The sharding of an object pool (a keyed store of tensors).
-
-    Args:
-        sharding_type: row-wise, or row-wise within a node and replicated across nodes.
-        inference: whether the pool is used for inference only.
-    """
+    """The sharding of an object pool (a keyed store of tensors)."""
 
     sharding_type: ObjectPoolShardingType
     inference: bool = False
@@ -197,13 +180,11 @@ class ObjectPoolShardingPlan(ModuleShardingPlan, kind="object_pool"):
 
 
 class ShardingPlan(Mapping[str, ModuleShardingPlan]):
-    """The sharding of a whole model: module path -> that module's plan (immutable mapping).
-
-    Paths are fully qualified names in the wrapped model (``"sparse.ebc"``).
+    """The sharding of a whole model: module path (``"sparse.ebc"``) -> that module's plan.
 
     Args:
-        plan: module path -> module plan; a plain mapping of table name -> ``ParameterSharding``
-            is taken as an ``EmbeddingModuleShardingPlan``.
+        plan: a plain mapping of table name -> ``ParameterSharding`` is taken as an
+            ``EmbeddingModuleShardingPlan``.
     """
 
     def __init__(
@@ -261,12 +242,7 @@ class ShardingPlan(Mapping[str, ModuleShardingPlan]):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
-        """Inverse of ``to_dict``.
-
-        Raises:
-            ValueError: no or a newer ``"version"``, unknown fields, or an invalid module plan
-                (the message names the module and table).
-        """
+        """Inverse of ``to_dict``; ``ValueError`` names the module and table of a bad entry."""
         check_keys(data, ("version", "modules"), "sharding plan")
         version = data.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -289,12 +265,7 @@ class ShardingPlan(Mapping[str, ModuleShardingPlan]):
         return cls(parsed)
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The plan as JSON (``to_dict`` encoded).
-
-        Args:
-            indent: spaces per nesting level (lists of numbers stay on one line); ``None`` for
-                the most compact form.
-        """
+        """The plan as JSON; flat lists stay on one line, ``indent=None`` is most compact."""
         if indent is None:
             return json.dumps(self.to_dict(), separators=(",", ":"))
         return _dumps(self.to_dict(), indent, 0)
@@ -324,15 +295,8 @@ def _dumps(value: Any, indent: int, depth: int) -> str:
 
 
 def validate_plan_for_world(plan: ShardingPlan, world_size: int) -> None:
-    """Raise unless every rank named in ``plan`` is in ``[0, world_size)``.
-
-    Args:
-        plan: the plan.
-        world_size: the number of ranks it will run on.
-
-    Raises:
-        ValueError: ``rank 3 is outside the world of size 2 (table 't1') in module 'ebc'...``.
-    """
+    """Raise ``ValueError`` (naming rank, table and module) unless every rank of ``plan`` is in
+    ``[0, world_size)``."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     for path, module_plan in plan.items():
@@ -355,12 +319,9 @@ class DMPCollectionConfig:
     """How one kind of sub-module is sharded in a 2-D (sharded x replicated) layout.
 
     Args:
-        module: the class of the (unsharded) sub-modules this config applies to.
+        module: the unsharded class of the sub-modules this config applies to.
         plan: their sharding plan; its ranks are positions within a sharding group.
-        sharding_group_size: ranks a model copy is sharded over.
-        node_group_size: ranks per node, if node-aware sharding is used.
-        use_inter_host_allreduce: sharding groups are contiguous blocks of ranks (replicas
-            synchronise across hosts) rather than strided.
+        use_inter_host_allreduce: sharding groups are contiguous blocks of ranks, not strided.
     """
 
     module: type[nn.Module]
@@ -405,14 +366,7 @@ class DMPCollectionConfig:
         return world_size // self.sharding_group_size
 
     def check_world(self, world_size: int) -> None:
-        """Raise unless the group sizes fit a job of ``world_size`` ranks.
-
-        Args:
-            world_size: the job's number of ranks.
-
-        Raises:
-            ValueError: ``sharding_group_size`` or ``node_group_size`` does not divide it.
-        """
+        """Raise ``ValueError`` unless both group sizes divide ``world_size``."""
         _positive(world_size, "check_world(world_size)")
         for name in ("sharding_group_size", "node_group_size"):
             size = getattr(self, name)

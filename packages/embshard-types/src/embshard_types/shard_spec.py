@@ -1,9 +1,7 @@
 """Where one shard of a tensor lives: its offsets, its sizes and its placement.
 
-This is embshard's own, import-cheap counterpart of ``torch.distributed``'s ``ShardMetadata``
-(importing that costs ~0.4 s). Guarantees: frozen, hashable, validated at construction (integer
-offsets and sizes, a ``"rank:R/DEVICE"`` placement), and an exact round trip through
-``to_dict`` / ``from_dict``; ``to_torch()`` converts on demand.
+embshard's import-cheap counterpart of torch's ``ShardMetadata``: frozen, hashable, validated at
+construction, exact round trip through ``to_dict`` / ``from_dict``; ``to_torch()`` converts.
 """
 
 from __future__ import annotations
@@ -40,8 +38,6 @@ class ShardSpec:
     """One shard of a 2-D (or N-D) tensor.
 
     Args:
-        offsets: index of the shard's first element along each dimension.
-        sizes: the shard's extent along each dimension.
         placement: ``"rank:R/DEVICE"``, e.g. ``"rank:1/cuda:1"`` or ``"rank:0/cpu"``.
     """
 
@@ -82,14 +78,7 @@ class ShardSpec:
     def on(
         cls, rank: int, device: str, offsets: tuple[int, ...], sizes: tuple[int, ...]
     ) -> ShardSpec:
-        """Build a spec placed on ``rank`` and ``device`` (``cpu``, ``cuda``, ``cuda:3``).
-
-        Args:
-            rank: the rank that holds the shard.
-            device: a device string; a bare accelerator type (``"cuda"``) becomes ``cuda:RANK``.
-            offsets: index of the shard's first element along each dimension.
-            sizes: the shard's extent along each dimension.
-        """
+        """Build a spec placed on ``rank`` and ``device`` (bare ``"cuda"`` means ``cuda:RANK``)."""
         if device != "cpu" and ":" not in device:
             device = f"{device}:{rank}"
         return cls(offsets=offsets, sizes=sizes, placement=f"rank:{rank}/{device}")
@@ -104,11 +93,7 @@ class ShardSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardSpec:
-        """Inverse of ``to_dict``.
-
-        Raises:
-            ValueError: a field is missing or unknown, or the values are invalid.
-        """
+        """Inverse of ``to_dict``; ``ValueError`` for a missing, unknown or invalid field."""
         if not isinstance(data, Mapping):
             raise TypeError(f"shard spec must be a mapping, got {data!r}")
         unknown = sorted(set(data) - {"offsets", "sizes", "placement"})

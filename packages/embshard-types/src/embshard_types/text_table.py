@@ -1,8 +1,4 @@
-"""A tiny plain-text table formatter for printing plans (no third-party ``tabulate``).
-
-Guarantees: every row is rendered, columns are as wide as their widest cell or header, cells
-are left-aligned and headers centred, and an empty table still prints its header and rule.
-"""
+"""A tiny plain-text table formatter for printing plans (no third-party ``tabulate``)."""
 
 from __future__ import annotations
 
@@ -12,14 +8,7 @@ __all__ = ["tabulate"]
 
 
 def tabulate(rows: Sequence[Sequence[object]], headers: Sequence[str]) -> str:
-    """Format ``rows`` under ``headers`` as a ``|``-separated text table.
-
-    Args:
-        rows: the table body; each row must have one cell per header. Cells are ``str()``-ed.
-        headers: the column titles.
-
-    Returns:
-        The table as lines joined by ``\\n`` (no trailing newline).
+    """Format ``rows`` (one ``str()``-ed cell per header) under ``headers`` as a text table.
 
     Raises:
         ValueError: a row has a different number of cells than there are headers.

@@ -1,8 +1,7 @@
 """The sharding vocabulary every embshard package speaks.
 
-Guarantees: every member's ``value`` is the lower-case string TorchRec uses for the same
-concept, so plans written by either library name things the same way; ``parse`` accepts either
-the enum or that string and raises a ``ValueError`` listing the valid choices otherwise.
+Each member's ``value`` is TorchRec's lower-case string for the same concept; ``parse`` accepts
+a member or that string and raises a ``ValueError`` listing the valid choices otherwise.
 """
 
 from __future__ import annotations
@@ -16,14 +15,10 @@ class ParsableEnum(Enum):
 
     @classmethod
     def parse(cls, value: Self | str, *, what: str = "") -> Self:
-        """Return the member for ``value`` (a member or its string value).
+        """Return the member for ``value``: a member or its (case-insensitive) string value.
 
         Args:
-            value: a member of this enum, or its ``value`` string (case-insensitive).
             what: where the value came from, for the error message (e.g. "table 't1'").
-
-        Raises:
-            ValueError: the string names no member; the message lists the valid ones.
         """
         if isinstance(value, cls):
             return value

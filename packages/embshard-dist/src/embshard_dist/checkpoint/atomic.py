@@ -1,15 +1,11 @@
 """Making a checkpoint visible all at once, and keeping a directory of checkpoints tidy.
 
-A checkpoint is written into a hidden sibling directory ``.NAME.tmp-TOKEN``. :func:`commit`
-then lists its files with their sizes into the metadata, writes ``embshard.json`` (through a
-temporary file, flushed to disk), flushes the directory and renames it to ``NAME`` in one
-``os.rename``. A save that stops before the rename leaves only the hidden directory: the
-previous checkpoints and the ``latest`` pointer are untouched, and :func:`remove_stale`
-removes the leftovers at the next save.
+A checkpoint is written into a hidden sibling ``.NAME.tmp-TOKEN``, then :func:`commit` writes
+its metadata and renames it into place; an interrupted save leaves only that hidden directory,
+which :func:`remove_stale` removes later.
 
-Guarantees: :func:`commit` refuses to replace an existing path; :func:`write_latest` replaces
-the pointer atomically (``os.replace``); :func:`prune` only removes complete ``step-*``
-checkpoints older than the ``keep_last`` newest, never the one ``latest`` names.
+Guarantees: :func:`commit` never replaces a path; :func:`write_latest` is atomic; :func:`prune`
+removes only complete checkpoints older than the ``keep_last`` newest, never ``latest``'s.
 """
 
 from __future__ import annotations
@@ -111,11 +107,7 @@ def write_latest(root: Path, name: str) -> None:
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
-    """Remove the complete ``step-*`` checkpoints of ``root`` but the ``keep_last`` newest.
-
-    Returns:
-        The removed directories.
-    """
+    """Remove all complete ``step-*`` checkpoints but the ``keep_last`` newest; return them."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     try:
@@ -136,11 +128,7 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 
 def remove_stale(root: Path) -> list[Path]:
-    """Remove the hidden directories interrupted saves left in ``root``.
-
-    Returns:
-        The removed directories.
-    """
+    """Remove the hidden directories interrupted saves left in ``root``; return them."""
     if not root.is_dir():
         return []
     stale = [p for p in root.iterdir() if p.is_dir() and _STALE.fullmatch(p.name)]

@@ -1,26 +1,12 @@
 """``embshard checkpoint export``: a checkpoint as unsharded tensors, one table at a time.
 
-The export is a directory (made visible at the end by one rename)::
+The export is a directory of ``torch.save``'d values named by state-dict key (``model/``,
+``optim/``, ``dense_optim/``) with an ``index.json``; :func:`read_export` gives back a state
+dict any unsharded model loads. Values are read and written one at a time in one process, so
+peak memory grows by about twice the largest tensor however large the model.
 
-    OUT/
-      index.json                                   every tensor: key, file, shape, dtype;
-                                                   and the checkpoint's metadata
-      model/{module}.embedding_bags.{table}.weight.pt     a table's whole weight
-      model/{dense parameter}.pt                          a dense tensor
-      optim/{table key}/{state}.pt                        a table's optimizer state
-      dense_optim/{parameter}/{state}.pt                  the dense optimizer's state
-
-Each file is one ``torch.save``'d tensor (or value), named by the model's state-dict key, so
-:func:`read_export` gives back a state dict any unsharded model loads (the keys
-``embedding_bags.{table}.weight`` are also TorchRec's).
-
-Memory: values are read and written one at a time, straight from the shard files
-(:mod:`.reader`), in a single process. At any moment the process holds the tensor being
-exported and at most one of its stored chunks, so its peak memory grows by at most about
-twice the largest tensor (a table's weight), however large the model.
-
-Guarantees: the checkpoint is checked first (metadata, files present with their sizes); the
-destination must not exist; nothing appears at the destination unless the export completed.
+Guarantees: the checkpoint is checked first; the destination must not exist; nothing appears
+there unless the export completed (one rename at the end).
 """
 
 from __future__ import annotations
@@ -111,11 +97,10 @@ def stored_values(metadata: CheckpointMetadata) -> Iterator[ExportedTensor]:
 def export_checkpoint(
     path: str | os.PathLike[str], out: str | os.PathLike[str], *, optimizer: bool = True
 ) -> dict[str, Any]:
-    """Export the checkpoint at ``path`` to the new directory ``out`` (see the module docstring).
+    """Export the checkpoint at ``path`` to the new directory ``out``.
 
     Args:
         path: a checkpoint, or a directory of checkpoints (its latest is exported).
-        out: the directory to create.
         optimizer: export the optimizer state too (else weights and dense tensors only).
 
     Returns:
@@ -198,8 +183,7 @@ def read_export(path: str | os.PathLike[str], *, mmap: bool = True) -> dict[str,
     """An export's values by storage key (``model/...``, ``optim/...``, ``dense_optim/...``).
 
     Args:
-        path: the export's directory.
-        mmap: map the files instead of reading them (memory stays small until values are used).
+        mmap: map the files instead of reading them.
 
     Raises:
         ValueError: not an export, or a file it lists is missing.

@@ -1,26 +1,13 @@
 """The on-disk layout of an embshard checkpoint and its versioned metadata.
 
-A checkpoint is a directory::
+A checkpoint directory holds ``embshard.json`` (written last: it marks a complete checkpoint),
+torch.distributed.checkpoint's ``.metadata`` and per-rank chunks, and ``rng/`` per-rank
+generator states. Tensors are stored under plan-independent keys, so any plan on any number of
+processes can read them. A directory of checkpoints holds ``step-NNNNNNNN`` sub-directories and
+a ``latest`` file; :func:`resolve_checkpoint` accepts either.
 
-    DIR/
-      embshard.json          this module's metadata (written last: its presence marks a
-                             complete checkpoint)
-      .metadata              torch.distributed.checkpoint's index of every tensor chunk
-      __R_0.distcp           the chunks rank R wrote (only its own shards)
-      rng/rank-RRRRR.pt      rank R's random number generator states
-
-Tensors are stored under plan-independent keys (:func:`model_key`, :func:`optim_key`,
-:func:`dense_optim_key`): a table's weight is one ``[rows, dim]`` tensor, each point-wise
-optimizer state one ``[rows, dim]`` tensor and each row-wise state one ``[rows]`` tensor,
-whatever the plan that saved them, so any plan on any number of processes can read them.
-
-A directory of checkpoints (``embshard train --checkpoint-dir``) holds one sub-directory per
-saved step (``step-00000010``) and a ``latest`` file naming the newest complete one;
-:func:`resolve_checkpoint` accepts either form.
-
-Guarantees: :func:`read_metadata` refuses, with a ``ValueError`` that says what is wrong and
-what to do, a directory that is not a checkpoint, a metadata file that does not parse or lacks
-a field, and a checkpoint written in a newer format version than :data:`FORMAT_VERSION`.
+Guarantees: :func:`read_metadata` refuses, with a ``ValueError`` saying what to do, anything
+that is not a complete checkpoint of this or an older :data:`FORMAT_VERSION`.
 """
 
 from __future__ import annotations
@@ -135,10 +122,6 @@ class TableInfo:
     Args:
         key: its model state-dict key, ``"{module}.embedding_bags.{name}.weight"``.
         module: the path of its collection in the model (``""`` for the model itself).
-        name: the table's name.
-        rows: number of rows.
-        dim: embedding dimension.
-        dtype: the weights' dtype (:func:`dtype_name`).
         sharding: how the saving plan sharded it (``None``: unsharded source).
         states: its fused optimizer states by name (empty: none saved).
     """
@@ -163,22 +146,17 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class CheckpointMetadata:
-    """What ``embshard.json`` records (see the module docstring).
+    """What ``embshard.json`` records.
 
     Args:
-        version: the format version that wrote it.
-        step: the training step (number of steps taken) when it was saved.
+        step: the number of training steps taken when it was saved.
         world_size: processes that saved it (1 for an imported one).
-        tables: every embedding table.
         dense: the model's other state-dict tensors (``{}`` when not saved).
-        has_optimizer: whether the optimizers' state was saved.
         dense_optimizer: the dense optimizer's state, ``{param: {state: TensorInfo}}``.
-        dense_param_groups: its param groups' hyperparameters (JSON form, see
-            :mod:`.train_state`), each with its ``params`` names.
-        fused_hyperparameters: each table's fused optimizer hyperparameters (learning rate).
+        dense_param_groups: its param groups' hyperparameters (JSON form), each with its
+            ``params`` names.
         plan: the saving plan (``ShardingPlan.to_dict()``), ``None`` when imported.
         files: every file of the checkpoint but ``embshard.json``, with its size in bytes.
-        created: when it was written (ISO 8601).
         source: ``"save"`` or ``"import"``.
     """
 
@@ -209,10 +187,6 @@ class CheckpointMetadata:
     @classmethod
     def from_json(cls, text: str, *, where: str) -> CheckpointMetadata:
         """Parse metadata written by :meth:`to_json` (this version or an older one).
-
-        Args:
-            text: the JSON text.
-            where: the file it came from, for messages.
 
         Raises:
             ValueError: not JSON, not an embshard checkpoint, a newer format version, or a
@@ -283,8 +257,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint ``path`` names: itself, or the one its ``latest`` file points to.
 
     Raises:
-        ValueError: ``path`` is not a directory, or holds neither ``embshard.json`` nor a
-            ``latest`` file naming a sub-directory.
+        ValueError: ``path`` is neither a checkpoint nor a directory whose ``latest`` names one.
     """
     root = Path(path)
     if not root.is_dir():

@@ -1,25 +1,11 @@
 """``embshard checkpoint import``: an unsharded state dict (or an export) as a checkpoint.
 
-Sources:
+Every 2-D float tensor under ``[{module}.]embedding_bags.{table}.weight`` (or ``embeddings.``)
+of a ``torch.save``'d state dict becomes a table and every other tensor a dense one; an export
+comes back exactly. The result has no plan, so loading reshards it to any plan and world size.
 
-* a ``torch.save``'d state dict, e.g. ``torch.save(ebc.state_dict(), PATH)`` of a TorchRec or
-  embshard ``EmbeddingBagCollection`` (keys ``embedding_bags.{table}.weight``), or of a whole
-  model (``sparse_arch.embedding_bags.{table}.weight``, ``dense_arch.0.weight``...). Every 2-D
-  float tensor under a key ``[{module}.]embedding_bags.{table}.weight`` (or
-  ``embeddings.{table}.weight``, an ``EmbeddingCollection``'s) becomes a table; every other
-  tensor a dense tensor. ``prefix`` puts the keys where the model has them (an
-  ``EmbeddingBagCollection`` saved alone, loaded as a model's ``sparse_arch``: ``prefix=
-  "sparse_arch"``). The file is memory-mapped, not read whole.
-* an export (:mod:`.export`): weights, dense tensors, optimizer state, step and
-  hyperparameters come back exactly (an export of the import equals the first export).
-
-The result is an ordinary checkpoint saved by "one process" with no plan: loading reshards it
-to any plan and world size. A state dict without optimizer state (or without dense tensors)
-loads with ``load_checkpoint(..., optimizer=False)`` (``dense=False``).
-
-Guarantees: everything is checked before anything is written (a readable mapping of names to
-tensors, at least one table, tables that are 2-D float tensors, an export's files matching its
-index); the destination must not exist and appears only once complete.
+Guarantees: everything is checked before anything is written; the destination must not exist
+and appears only once complete.
 """
 
 from __future__ import annotations
@@ -70,8 +56,6 @@ def import_state_dict(
     """Write the checkpoint ``out`` from the state dict or export ``source``.
 
     Args:
-        source: a ``torch.save``'d state dict, or an export directory.
-        out: the checkpoint directory to create.
         prefix: module path to put before a state-dict file's keys (not for exports).
         step: the step to record (default: the export's, else 0).
 

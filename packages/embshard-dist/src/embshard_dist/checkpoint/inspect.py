@@ -1,9 +1,7 @@
 """``embshard checkpoint inspect``: what a checkpoint holds, without loading any tensor.
 
-:func:`inspect_checkpoint` reads the metadata and the file sizes only: tables (shape, dtype,
-sharding when saved, optimizer states, bytes), dense tensors, step, world size, format version,
-the plan that saved it, bytes written by each rank, and any integrity problem (a missing or
-truncated file). :func:`format_inspection` turns that into plain text.
+:func:`inspect_checkpoint` reads only the metadata and file sizes (tables, dense tensors, step,
+plan, bytes per rank, missing or truncated files); :func:`format_inspection` prints it.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ def _bytes_of(dtype: str, count: int) -> int:
 
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A JSON-able summary of the checkpoint at ``path`` (see the module docstring).
+    """A JSON-able summary of the checkpoint at ``path``.
 
     Raises:
         ValueError: not a checkpoint, or one of a newer format version.

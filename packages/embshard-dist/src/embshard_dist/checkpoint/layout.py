@@ -1,24 +1,12 @@
 """What a ``DistributedModelParallel`` holds on this rank, described plan-independently.
 
-:func:`describe_model` lists every embedding table (its shards under the current plan, this
-rank's weight pieces, this rank's pieces of each fused optimizer state), the dense tensors and
-the dense optimizer's state. Everything listed is live: pieces are views of the kernels' own
-storage, so copying into them loads a checkpoint.
+:func:`describe_model` lists every table's shards and this rank's live pieces of its weight and
+fused optimizer states, plus the dense tensors and optimizer; copying into the pieces loads a
+checkpoint. A column-wise table's row-wise state is kept once (block 0's copy), since
+column-wise sharding keeps the copies equal.
 
-The plan-independent layout (see :mod:`.format`): a weight and each point-wise state are
-``[rows, dim]``, each row-wise state is ``[rows]``. Tables of sharded embedding-bag
-collections are ``{module}.embedding_bags.{table}.weight``, those of sharded (sequence)
-embedding collections ``{module}.embeddings.{table}.weight``. The fused optimizer exposes a column-wise
-table's row-wise state with one copy per column block (block ``b`` at offset ``b * rows``,
-:mod:`embshard_optim.sharded_state`); embshard's column-wise sharding keeps those copies equal
-(row statistics are reduced over the full row, :mod:`embshard_dist.sharding.cw`), so the
-checkpoint keeps block 0's copy and a load writes it into every block.
-
-Guarantees: describing is a collective (every rank must call it, in the same order) that
-gathers the optimizer states' names and kinds of every table, so that ranks without a shard of
-a table still know them; it changes nothing; a model it cannot describe (a 2-D sharding
-environment, a sharded module that is not an embedding-bag collection, two ranks that disagree
-on a table's states) raises ``ValueError`` on every rank.
+Guarantees: a collective that changes nothing; a model it cannot describe raises
+``ValueError`` on every rank.
 """
 
 from __future__ import annotations
@@ -34,12 +22,12 @@ from torch import Tensor
 from embshard_dist.checkpoint.format import StateInfo, TableInfo, dtype_name
 from embshard_dist.checkpoint.tensors import Piece, Shard, local_pieces, quiet
 from embshard_dist.checkpoint.train_state import gather_json, to_json_value
-from embshard_dist.sharders.plan_checks import table_specs
+from embshard_dist.sharded.plan_checks import table_specs
 from embshard_kernels.fbgemm_mapping import data_type_to_dtype
 from embshard_types.env import ShardingEnv2D
 
 if TYPE_CHECKING:
-    from embshard_dist.model_parallel import DistributedModelParallel
+    from embshard_dist.dmp.model_parallel import DistributedModelParallel
 
 __all__ = ["ModelLayout", "TableLayout", "TableState", "describe_model"]
 
@@ -49,7 +37,6 @@ class TableState:
     """One fused optimizer state of a table on this rank.
 
     Args:
-        info: its kind (row-wise or point-wise) and dtype.
         pieces: this rank's pieces, at the fused optimizer's offsets (row-wise: ``block *
             rows + row``).
     """
@@ -63,10 +50,7 @@ class TableLayout:
     """One table on this rank.
 
     Args:
-        info: name, size, dtype, sharding and optimizer states (as the metadata records it).
-        shards: every block of its weight under the current plan (``None``: replicated,
-            i.e. data-parallel: each rank holds the whole table).
-        weight: this rank's weight pieces.
+        shards: every block of its weight under the current plan (``None``: data-parallel).
         states: this rank's pieces of each optimizer state, by state name.
     """
 
@@ -106,7 +90,8 @@ def describe_model(dmp: DistributedModelParallel) -> ModelLayout:
     """This rank's :class:`ModelLayout` of ``dmp`` (a collective over its process group).
 
     Raises:
-        ValueError: the model cannot be checkpointed (see the module docstring).
+        ValueError: the model cannot be checkpointed (a 2-D environment, an unsupported
+            sharded module, ranks that disagree on a table's states).
         RuntimeError: ``torch.distributed`` is not initialised.
     """
     if not dist.is_initialized():

@@ -1,27 +1,11 @@
 """Loading a checkpoint into a ``DistributedModelParallel``, under any plan and world size.
 
-A checkpoint saved on N processes under one plan loads on M processes under another: tables
-are stored plan-independently (:mod:`.format`), and each rank asks
-``torch.distributed.checkpoint`` for exactly the blocks its new shards cover (a table-wise
-table saved whole is read by the row-wise shards of the new plan, a row-wise optimizer state
-by every column block that needs it...). Weights and every optimizer state land in the new
-shards exactly (bit for bit).
+Each rank asks ``torch.distributed.checkpoint`` for exactly the blocks its shards cover, so a
+checkpoint saved on N processes under one plan loads bit for bit on M under another.
 
-The order of a load, which keeps the model untouched unless everything can be loaded:
-
-1. every rank checks the checkpoint against the model and the files against the metadata
-   (:mod:`.validate`) and the ranks agree: any problem on any rank raises ``ValueError`` on
-   every rank, naming what differs;
-2. ``torch.distributed.checkpoint`` reads into fresh buffers (a read error on any rank raises
-   on every rank);
-3. only then are the buffers copied into the model's shards, dense tensors and optimizers;
-   the fused optimizers' step counter is set to the saved step, the learning rates are
-   restored, and, on the same number of ranks, each rank's random generator states.
-
-Every rank reads the checkpoint's directory (one host, or a shared filesystem). A dense
-optimizer without state yet gets zero state first (``init_state``) so that the saved
-state has somewhere to go; that is the only change made before the checks pass, and it is
-undone if they fail.
+Guarantees: every rank checks the checkpoint and the ranks agree before anything is read; reads
+go to fresh buffers copied into the model only when all succeeded, so a failed load leaves the
+model untouched and raises the same ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
@@ -54,7 +38,7 @@ from embshard_dist.checkpoint.train_state import agree, from_json_value, restore
 from embshard_dist.checkpoint.validate import check_dense_optimizer, check_files, check_model
 
 if TYPE_CHECKING:
-    from embshard_dist.model_parallel import DistributedModelParallel
+    from embshard_dist.dmp.model_parallel import DistributedModelParallel
 
 __all__ = ["LoadResult", "load_checkpoint"]
 
@@ -66,9 +50,7 @@ class LoadResult:
     Args:
         path: the checkpoint loaded (a directory of checkpoints resolves to its latest).
         step: the training step it was saved at (continue training from there).
-        saved_world_size: processes that saved it.
         optimizer_loaded: whether optimizer state, step counters and learning rates were.
-        dense_loaded: whether the dense tensors were.
         rng_restored: whether this rank's generator states were restored (same world size).
     """
 
@@ -80,7 +62,7 @@ class LoadResult:
     rng_restored: bool
 
 
-_Copy = tuple[Tensor, Tensor]  # (live destination, loaded buffer)
+_Copy = tuple[Tensor, Tensor]
 
 
 def load_checkpoint(
@@ -91,10 +73,9 @@ def load_checkpoint(
     dense: bool = True,
     rng: bool = True,
 ) -> LoadResult:
-    """Load a checkpoint into ``dmp`` (every rank calls it; see the module docstring).
+    """Load a checkpoint into ``dmp`` (every rank calls it).
 
     Args:
-        dmp: the model, sharded under any plan, on any number of ranks.
         path: a checkpoint, or a directory of checkpoints (its ``latest`` one is loaded).
         optimizer: load the optimizers' state, step counter and learning rates.
         dense: load the dense tensors (``False`` for a checkpoint imported from an
@@ -103,8 +84,7 @@ def load_checkpoint(
 
     Raises:
         ValueError: on every rank, before the model is touched: not a checkpoint, a newer
-            format, missing or truncated files, tables / dims / optimizer states / dense
-            tensors that differ from the model's, or a failed read.
+            format, missing or truncated files, a mismatch with the model, or a failed read.
     """
     wait_for_pending_save()
     with quiet():

@@ -1,16 +1,12 @@
 """Reading one stored value of a checkpoint whole, in one process, with bounded memory.
 
-``torch.distributed.checkpoint``'s own reader copies every stored chunk through a temporary
-tensor into the destination, and reads through Python buffers: for a table stored as one
-chunk it holds about three to four times the table at once. The offline tools read instead
-straight from the shard files, following ``torch.distributed.checkpoint``'s index
-(``.metadata``): a value stored as one chunk is loaded as it is (about one table of memory),
-a value stored in several chunks is assembled chunk by chunk into its destination (the
-destination and one chunk: at most about twice the table). Stored chunks written through
-stream transforms (compression) are read with ``torch.distributed.checkpoint`` itself.
+Values are read straight from the shard files, following ``torch.distributed.checkpoint``'s
+index: one chunk is loaded as it is, several are assembled one at a time into the destination,
+so memory stays within about twice the value (``torch.distributed.checkpoint``'s own reader
+holds more copies). Chunks written through stream transforms go through its reader.
 
-Guarantees: only ``torch.load(..., weights_only=True)`` deserialises (no arbitrary code);
-a key the index lacks, or a file shorter than the index says, raises ``ValueError``.
+Guarantees: only ``torch.load(..., weights_only=True)`` deserialises; a key the index lacks, or
+a file shorter than the index says, raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -59,11 +55,7 @@ class _FileSlice(io.RawIOBase):
 
 
 class StoredCheckpoint:
-    """The values of a ``torch.distributed.checkpoint`` directory, read one at a time.
-
-    Args:
-        path: the checkpoint directory.
-    """
+    """The values of a ``torch.distributed.checkpoint`` directory, read one at a time."""
 
     def __init__(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp

@@ -1,26 +1,12 @@
-"""Saving a ``DistributedModelParallel``'s whole training state, atomically, maybe in the background.
+"""Saving a ``DistributedModelParallel``'s training state, atomically, maybe in the background.
 
-What is saved (see :mod:`.format` for the layout): every table's weight and fused optimizer
-state in a plan-independent layout, the dense parameters and buffers, the dense optimizer's
-state and param groups, the fused optimizers' hyperparameters, the plan, the step counter and
-every rank's random number generator states. Each rank writes only its own shards, through
-``torch.distributed.checkpoint`` (``FileSystemWriter``, files flushed to disk).
+Each rank writes only its own shards through ``torch.distributed.checkpoint`` into a hidden
+directory that rank 0 renames into place once all have written. An asynchronous save copies the
+state to CPU first, then writes on a background thread over its own gloo group.
 
-Atomicity (see :mod:`.atomic`): the checkpoint is written into a hidden directory beside its
-destination and renamed into place by rank 0 once every rank has written; a save stopped
-half-way (a rank killed, a full disk) leaves earlier checkpoints and the ``latest`` pointer
-untouched.
-
-Asynchronous saves (``async_save=True``): the state is copied to CPU memory on the calling
-thread (training may change the model as soon as the call returns), then written and
-committed by a background thread over a separate gloo process group, so its collectives never
-interleave with training's. Call :meth:`SaveHandle.wait` before the process ends; a new save
-first waits for the previous one.
-
-Guarantees: every rank must call the save functions together (they are collectives); a
-destination that exists is refused on every rank before anything is written; an error on any
-rank (including rank 0's commit) is raised on every rank. Every rank must see the same
-directory (one host, or a shared filesystem), as ``FileSystemWriter`` requires.
+Guarantees: every rank calls together; an existing destination is refused before anything is
+written; an error on any rank is raised on every rank; a save stopped half-way leaves earlier
+checkpoints and ``latest`` untouched.
 """
 
 from __future__ import annotations
@@ -64,7 +50,7 @@ from embshard_dist.checkpoint.tensors import Piece, Shard, quiet, sharded_tensor
 from embshard_dist.checkpoint.train_state import agree, capture_rng, gather_json
 
 if TYPE_CHECKING:
-    from embshard_dist.model_parallel import DistributedModelParallel
+    from embshard_dist.dmp.model_parallel import DistributedModelParallel
 
 __all__ = [
     "SaveHandle",
@@ -76,12 +62,7 @@ __all__ = [
 
 
 class SaveHandle:
-    """A save in progress or done (see the module docstring).
-
-    Args:
-        path: where the checkpoint becomes visible.
-        future: completes with the path, or with the save's error.
-    """
+    """A save in progress or done; ``future`` completes with the path or the save's error."""
 
     def __init__(self, path: Path, future: Future[Path]) -> None:
         self.path = path
@@ -122,11 +103,10 @@ def save_checkpoint(
     """Save ``dmp``'s training state to the new checkpoint directory ``path`` (all ranks call).
 
     Args:
-        dmp: the model (its fused and dense optimizers are saved with it).
         path: the checkpoint to create (its parent is created if needed; it must not exist).
         step: training steps taken so far (restored by the load, and given to the fused
             optimizers' step counters).
-        async_save: write in a background thread (see the module docstring).
+        async_save: write in a background thread.
 
     Returns:
         A handle; with ``async_save=False`` the save is already complete.
@@ -148,11 +128,7 @@ def save_to_directory(
     """Save into ``root/step-NNNNNNNN``, then point ``root/latest`` at it and prune old ones.
 
     Args:
-        dmp: the model.
-        root: the directory of checkpoints (created if needed).
-        step: training steps taken so far (names the checkpoint).
         keep_last: complete checkpoints to keep (the new one included; at least 1).
-        async_save: write in a background thread.
 
     Raises:
         ValueError: ``keep_last`` < 1, or that step's checkpoint exists.
@@ -316,9 +292,7 @@ def save_entries(layout: ModelLayout, *, stage: bool) -> dict[str, Any]:
     """The ``torch.distributed.checkpoint`` state dict of a model (plan-independent keys).
 
     Args:
-        layout: the model on this rank.
-        stage: copy every tensor to CPU memory (for background saves); else the entries
-            wrap the live tensors.
+        stage: copy every tensor to CPU memory (for background saves); else wrap the live tensors.
     """
 
     def own(t: Tensor) -> Tensor:
@@ -356,7 +330,7 @@ def _entry(
     dtype: torch.dtype,
     pg: dist.ProcessGroup | None,
 ) -> Any:
-    if shards is None:  # replicated: every rank holds the whole tensor
+    if shards is None:
         (piece,) = pieces
         return piece.tensor
     return sharded_tensor(pieces, shards, size, dtype, pg)

@@ -1,20 +1,10 @@
 """Pieces of sharded tensors, and the ``ShardedTensor``s a checkpoint reads and writes.
 
-A :class:`Piece` is one local block of a larger tensor at given offsets. :func:`local_pieces`
-reads them out of whatever a state dict holds (``ShardedTensor``, ``DTensor`` over local
-shards, plain tensor). :func:`sharded_tensor` wraps pieces into a ``ShardedTensor`` that
-``torch.distributed.checkpoint`` can save or fill.
+:func:`local_pieces` reads a rank's blocks out of any state-dict value; :func:`sharded_tensor`
+wraps them for ``torch.distributed.checkpoint``; :func:`read_tiling` completes a rank's wanted
+blocks into a full tiling with placeholder shards that are never read.
 
-When saving, the global shard list is the saving plan's (a true tiling). When loading, each
-rank only needs its own pieces to be read: :func:`read_tiling` completes them into a tiling of
-the whole tensor with placeholder shards owned by another rank, so that pieces several ranks
-need (a column-wise table's row-wise optimizer state is needed by every column block) can be
-read by all of them. ``torch.distributed.checkpoint`` reads exactly the local shards of a
-load target, so the placeholders are never read.
-
-Guarantees: no copies unless asked; empty pieces are left out (they hold no data and
-``torch.distributed.checkpoint`` wants none); ``ShardedTensor``'s deprecation warning is
-silenced (:func:`quiet`) where its use is deliberate.
+Guarantees: no copies unless asked; empty pieces are left out.
 """
 
 from __future__ import annotations
@@ -40,9 +30,8 @@ __all__ = ["Piece", "Shard", "local_pieces", "quiet", "read_tiling", "sharded_te
 def quiet() -> Iterator[None]:
     """Silence torch's warnings about what checkpoints do on purpose.
 
-    ``ShardedTensor``'s deprecation notice (the checkpoint uses it as a plain container that
-    ``torch.distributed.checkpoint`` reads and writes), and ``torch.distributed.checkpoint``'s
-    notice that it runs in a single process (the offline tools do so deliberately).
+    ``ShardedTensor`` is deprecated but serves as a plain container here, and the offline tools run
+    ``torch.distributed.checkpoint`` in a single process deliberately.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
@@ -87,7 +76,7 @@ def local_pieces(value: Any) -> list[Piece]:
     dt_module = sys.modules.get("torch.distributed.tensor")
     if dt_module is not None and isinstance(value, dt_module.DTensor):
         inner = value.to_local()
-        if hasattr(inner, "local_offsets"):  # a LocalShardsWrapper
+        if hasattr(inner, "local_offsets"):
             shards = inner.local_shards()
             if not shards:  # it describes "no shard" with one placeholder offset
                 return []
@@ -118,9 +107,6 @@ def sharded_tensor(
     Args:
         pieces: this rank's blocks; each must be one of ``tiling``'s shards owned by this rank.
         tiling: every block of the tensor (they must tile it exactly).
-        size: the whole tensor's size.
-        dtype: its dtype (that of every piece).
-        pg: the process group the ranks belong to (``None``: the default group).
     """
     import torch.distributed as dist
     from torch.distributed._shard.metadata import ShardMetadata
@@ -165,14 +151,8 @@ def read_tiling(
 ) -> list[Shard]:
     """A tiling of ``[0, length)`` whose blocks owned by ``rank`` are exactly ``wanted``.
 
-    The gaps between them are placeholder blocks owned by ``other`` (see the module
-    docstring).
-
-    Args:
-        wanted: ``(start, count)`` ranges this rank reads (distinct, non-overlapping).
-        length: the whole (1-D) tensor's length.
-        rank: this rank (global).
-        other: another rank of the group (global), owner of the gaps.
+    The gaps are placeholder blocks owned by ``other``, never read, so that blocks several ranks
+    need can be read by all of them.
 
     Raises:
         ValueError: ranges overlap or fall outside ``[0, length)``, or a gap remains with

@@ -1,14 +1,8 @@
 """What a checkpoint keeps besides tensors: generator states, hyperparameters, agreement.
 
-* Random number generators: each rank's torch (CPU, and CUDA when in use) and Python
-  ``random`` states, saved per rank and restored when the checkpoint is loaded on the same
-  number of ranks (:func:`capture_rng` / :func:`restore_rng`).
-* Hyperparameters (learning rates, betas...) in a JSON form that keeps tuples and scalar
-  tensors apart from lists and numbers (:func:`to_json_value` / :func:`from_json_value`), so
-  that a loaded param group holds exactly the types it held when saved.
-* :func:`gather_json` all-gathers small JSON-able values (no pickling, no numpy), and
-  :func:`agree` makes every rank raise the same error when any rank failed a check, so a
-  refusal never leaves the other ranks waiting in a collective.
+Guarantees: hyperparameters round-trip through JSON with their types (tuples, scalar
+tensors); :func:`agree` raises the same error on every rank when any rank failed a check, so a
+refusal never leaves the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -59,8 +53,8 @@ def to_json_value(value: Any, *, what: str) -> Any:
     """``value`` in a JSON form :func:`from_json_value` turns back into the same types.
 
     Raises:
-        ValueError: a value of another kind than numbers, strings, booleans, ``None``, lists,
-            tuples, string-keyed dicts and scalar tensors (``what`` names it).
+        ValueError: a value other than numbers, strings, booleans, ``None``, lists, tuples,
+            string-keyed dicts and scalar tensors (``what`` names it).
     """
     if value is None or isinstance(value, bool | int | float | str):
         return value
@@ -109,11 +103,8 @@ def gather_json(value: Any, *, group: dist.ProcessGroup | None, name: str) -> li
 def agree(problems: Sequence[str], *, group: dist.ProcessGroup | None, name: str) -> None:
     """Raise on every rank if any rank found ``problems`` (a collective: all ranks call it).
 
-    Every rank raises the same message: the problems of every rank that had some (once when
-    the ranks found the same ones).
-
     Raises:
-        ValueError: some rank passed problems.
+        ValueError: the problems of every rank that had some (same message on every rank).
     """
     by_rank = gather_json(list(problems), group=group, name=name)
     if not any(by_rank):

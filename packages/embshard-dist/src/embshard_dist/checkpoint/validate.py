@@ -1,14 +1,7 @@
 """A checkpoint compared with a model and with its own file list, before anything is loaded.
 
-Each check returns the list of problems it found (empty: fine), each naming what differs
-(table, state, parameter, file) and what to do, so that a load can report every problem at
-once and refuse before touching the model.
-
-Checked: every file the metadata lists exists with the size it was written with (a missing
-or truncated shard file is caught before any read); the model's tables and the checkpoint's
-are the same (names, rows, dims, dtypes) whatever the plans; the fused optimizer states are
-the same (names, row-wise or point-wise, dtypes); the dense tensors (names, shapes, dtypes);
-the dense optimizer's parameters, states and param groups.
+Guarantees: each check returns every problem it found (empty: fine), each naming what differs
+and what to do, so a load can report them all at once and refuse before touching the model.
 """
 
 from __future__ import annotations
@@ -152,7 +145,6 @@ def check_dense_optimizer(
     """The dense optimizer's state and param groups against the checkpoint's.
 
     Args:
-        metadata: the checkpoint's.
         state: the dense optimizer's current state (``{param: {state: value}}``), already
             initialised when the checkpoint holds some.
         param_groups: its param groups in the JSON form the metadata uses.

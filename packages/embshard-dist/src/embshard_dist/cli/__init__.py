@@ -1,8 +1,4 @@
-"""The ``embshard`` command: one sub-command per module in this package.
-
-Guarantees: importing this package imports no sub-command; each sub-command's module is imported
-only when it is run, so ``embshard --help`` stays fast.
-"""
+"""The ``embshard`` command; each sub-command's module is imported only when it runs."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-# sub-command -> (module under embshard_dist.cli, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("info", "print versions, devices and FBGEMM availability"),
     "train": ("train", "train a small DLRM on synthetic clicks across local processes"),
@@ -39,13 +34,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> int:
     """The ``embshard`` script: :func:`main`, then, in a rank started by torchrun, a quick exit.
 
-    A torchrun rank has left its process group when ``main`` returns; ending the process with
-    ``os._exit`` skips the interpreter's teardown, where a gloo worker thread still releasing a
-    finished work can need the GIL after Python has let it go and abort the process (rarely, under
-    load: "terminate called without an active exception"). Output is flushed first.
+    ``os._exit`` (after flushing output) skips interpreter teardown, where a gloo worker thread can
+    need the GIL after Python released it and abort the process.
     """
     code = main()
-    from embshard_dist.launch import launched_by_torchrun  # torch is loaded by now
+    from embshard_dist.cli.launch import launched_by_torchrun  # torch is loaded by now
 
     if launched_by_torchrun():
         sys.stdout.flush()

@@ -1,12 +1,6 @@
 """``embshard calibrate``: measure this machine and write the planner's topology file.
 
-    embshard calibrate --out topo.json
-
-Measures, on 2 local processes at once: memory bandwidth, the forward, backward and update
-throughput of the fused and dense kernels and of the sparse update rule, all-to-all /
-reduce-scatter bandwidth and latency on the chosen backend, and each sharding type's cost per
-step and compute scale from ``DistributedModelParallel`` steps (see
-:mod:`embshard_dist.planner.calibrate`); takes under a minute on a 2-core host.
+See :mod:`embshard_dist.planner.calibration.calibrate` for what is measured.
 """
 
 from __future__ import annotations
@@ -15,7 +9,7 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from embshard_dist.planner.probes import CALIBRATION_REPS
+from embshard_dist.planner.calibration.probes import CALIBRATION_REPS
 
 
 def run(argv: Sequence[str]) -> int:
@@ -34,7 +28,7 @@ def run(argv: Sequence[str]) -> int:
         help="timed rounds (more: steadier on a busy host)",
     )
     args = p.parse_args(argv)
-    from embshard_dist.planner.calibrate import calibrate
+    from embshard_dist.planner.calibration.calibrate import calibrate
 
     topology = calibrate(
         world_size=args.world_size,

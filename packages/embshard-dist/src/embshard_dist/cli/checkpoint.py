@@ -1,16 +1,7 @@
 """``embshard checkpoint``: inspect, export and import checkpoints, offline, in one process.
 
-* ``inspect DIR [--json]``: tables, shapes, plan, step, sizes and integrity, from the
-  metadata alone (no tensor is read);
-* ``export DIR OUT [--weights-only]``: every tensor unsharded, one file per tensor, written
-  one table at a time (memory bounded by the largest table, not the model);
-* ``import SRC OUT [--prefix P] [--step N]``: a ``torch.save``'d state dict (TorchRec's
-  ``EmbeddingBagCollection`` names included) or an export, as a checkpoint any plan and
-  world size can load.
-
-``DIR`` is a checkpoint or a directory of checkpoints (its ``latest``). Exit status: 0 on
-success, 1 when ``inspect`` finds the checkpoint damaged (missing or truncated files), 2 for
-bad input (the message says what is wrong).
+Exit status: 0 on success, 1 when ``inspect`` finds the checkpoint damaged, 2 for bad input
+(the message says what is wrong).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """``embshard plan``: plan a table spec on a topology, print the stats table, write the plan.
 
-    embshard plan --tables spec.json --topology topo.json --out plan.json
-
-The spec format is described in :mod:`embshard_dist.planner.spec` (JSON, or YAML when PyYAML
-is installed). Without ``--topology`` the fallback topology of
-:func:`~embshard_dist.planner.topology.default_topology` is used for ``--world-size`` ranks.
-Exit status: 0 with a plan written, 2 for bad input or when no plan fits (the message says why).
+The spec format is in :mod:`embshard_dist.planner.spec`; without ``--topology`` the default
+topology is used. Exit status: 0 with a plan written, 2 for bad input or when no plan fits.
 """
 
 from __future__ import annotations

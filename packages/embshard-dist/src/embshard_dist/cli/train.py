@@ -1,28 +1,11 @@
 """``embshard train``: train a small DLRM on synthetic clicks across local processes.
 
-The main job. It starts ``--nproc`` processes on this host (gloo on the CPU, NCCL when there is
-a GPU per process), or runs as one rank of a torchrun job when ``RANK`` / ``WORLD_SIZE`` are
-set. Every rank builds the same DLRM (seeded); rank 0 plans it with the cost-based planner
-(``EmbeddingShardingPlanner``, see :mod:`embshard_dist.planner.auto`: this run's ranks, node size
-and memory, the speeds of ``--topology`` when given, the batch size and the synthetic data's
-ids per bag and skew) and every rank receives the plan; ``--sharding`` pins sharding types
-(one for all tables, or per table; ``auto`` leaves the choice to the planner).
-``DistributedModelParallel`` shards the model, and each step trains on the rank's share of a
-deterministic global batch (``SyntheticClicks``).
+It spawns ``--nproc`` ranks (or joins torchrun), plans with the cost-based planner on rank 0,
+shards with ``DistributedModelParallel`` and trains on a deterministic global batch, printing
+the plan, progress and a summary; it can save and resume resharded checkpoints.
 
-Rank 0 prints the plan as a table, a progress line every ``--log-every`` steps (plain text, so
-it works without a terminal: steps/s and the loss averaged over the ranks and the last steps),
-and a summary: throughput (samples/s over every rank, after the first step), peak resident
-memory per rank (``getrusage``), and the loss of the final steps against the first ones.
-``--json PATH`` also writes the summary as JSON. Exit status: 0 on success, 2 for bad options
-(or a plan that does not fit, or a checkpoint that does not fit the model), else the failing
-rank's code.
-
-Checkpoints: ``--checkpoint-dir DIR --save-every K`` saves the whole training state every K
-steps into ``DIR/step-NNNNNNNN`` (atomically; ``DIR/latest`` names the newest, the two newest
-are kept; ``--async-save`` writes in the background); ``--resume DIR`` loads a checkpoint (or
-a directory's latest) and continues from its step up to ``--steps``, on any number of
-processes and under any plan (the checkpoint is resharded).
+Guarantees: exit status 0 on success, 2 for bad options, a plan that does not fit or an
+unfitting checkpoint, else the failing rank's code.
 """
 
 from __future__ import annotations
@@ -223,7 +206,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
 def run(argv: Sequence[str]) -> int:
     """Entry point of ``embshard train``."""
     config = parse_config(argv)
-    from embshard_dist.launch import default_backend, launch, launched_by_torchrun
+    from embshard_dist.cli.launch import default_backend, launch, launched_by_torchrun
 
     if config.device == "cuda":
         backend = "nccl"
@@ -233,9 +216,6 @@ def run(argv: Sequence[str]) -> int:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", config.nproc))
         backend = default_backend(local if launched_by_torchrun() else config.nproc)
     return launch(train_rank, (config,), nproc=config.nproc, backend=backend)
-
-
-# -- one rank ---------------------------------------------------------------------------------
 
 
 def _say(rank: int, text: str, *, end: str = "\n") -> None:
@@ -250,11 +230,11 @@ def train_rank(config: TrainConfig) -> int:
 
     from embshard_dist.comm.collectives import all_gather_ints, all_reduce
     from embshard_dist.data.synthetic import SyntheticClicks
-    from embshard_dist.model_parallel import DistributedModelParallel
+    from embshard_dist.dmp.model_parallel import DistributedModelParallel
     from embshard_dist.models.dlrm import DLRM
     from embshard_dist.planner.auto import default_plan
-    from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
-    from embshard_dist.sharding.nodes import resolve_local_world_size
+    from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
+    from embshard_dist.strategies.nodes import resolve_local_world_size
     from embshard_optim.specs import OptimizerSpec
     from embshard_types.configs import EmbeddingBagConfig
     from embshard_types.env import ShardingEnv
@@ -277,14 +257,13 @@ def train_rank(config: TrainConfig) -> int:
     model = DLRM(tables)
     data = SyntheticClicks(tables, batch_size=config.batch_size, seed=config.seed)
     try:
-        # ranks per node: torchrun's LOCAL_WORLD_SIZE (the launcher sets it to --nproc), so the
-        # planner and the node-aware sharding types agree on the nodes
+        # ranks per node from LOCAL_WORLD_SIZE, so the planner and node-aware types agree on nodes
         local = resolve_local_world_size(world)
         sharders: list[Any] = [
             EmbeddingBagCollectionSharder(optimizer=spec, local_world_size=local)
         ]
         group = dist.group.WORLD
-        assert group is not None  # the launcher initialised the default group
+        assert group is not None
         if config.plan_json is not None:  # --plan FILE: as given (DMP checks it fits)
             plan = ShardingPlan.from_json(config.plan_json)
         else:

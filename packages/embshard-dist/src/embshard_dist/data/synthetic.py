@@ -1,13 +1,8 @@
 """Synthetic click data for the main job, the tests and the benchmarks.
 
-Guarantees:
-- Deterministic: the global batch of step ``s`` depends only on the seed, ``s`` and the shapes,
-  never on the number of ranks. Rank ``r`` of ``n`` gets samples ``[r*b, (r+1)*b)`` of it, so the
-  concatenation of every rank's batch is exactly the global batch an unsharded model would see.
-- Learnable: labels come from a hidden logistic model over the dense features and a hidden scalar
-  per (table, row), so a model trained on the data drives its loss down.
-- Realistic ids: row ids follow a Zipf-like law (hot rows), bag lengths are uniform in
-  ``[min_ids, max_ids]`` (0 allowed: empty bags).
+Guarantees: the global batch of a step depends only on the seed, the step and the shapes, and
+the ranks' shares concatenate to it exactly; labels follow a hidden logistic model, so training
+drives the loss down; ids follow a Zipf-like law and bags may be empty.
 """
 
 from __future__ import annotations
@@ -38,12 +33,10 @@ class SyntheticClicks:
 
     Args:
         tables: the tables whose features the batches carry (one key per feature name).
-        num_dense: number of dense features.
         batch_size: samples per rank per step.
         min_ids / max_ids: bounds of ids per bag (inclusive).
         zipf_alpha: skew of the id distribution (0 gives uniform ids).
         weighted: attach a per-id weight in (0, 1] to every id.
-        seed: the seed every step's data derives from.
     """
 
     def __init__(
@@ -79,8 +72,7 @@ class SyntheticClicks:
     def _ids(self, gen: torch.Generator, count: int, rows: int) -> torch.Tensor:
         if self.zipf_alpha <= 0:
             return torch.randint(0, rows, (count,), generator=gen)
-        # Inverse-CDF sampling of a continuous power law over [1, rows + 1), then a fixed
-        # scramble so hot rows are spread over the table rather than all at its start.
+        # Inverse-CDF sampling of a power law, then a fixed scramble so hot rows spread over the table.
         u = torch.rand(count, generator=gen, dtype=torch.float64)
         a = 1.0 - self.zipf_alpha
         if abs(a) < 1e-9:

@@ -1,25 +1,9 @@
 """DMPCollection: a model sharded over a group of ranks, that group replicated (2-D parallelism).
 
-With ``W`` ranks and a sharding group of ``G`` ranks there are ``R = W / G`` sharding groups. Each
-holds a full copy of the embedding tables, sharded over its ``G`` ranks exactly as a plan for
-``G`` ranks says, and trains it on its ranks' batches; the dense rest of the model is
-data-parallel over all ``W`` ranks (DDP over the global group). Every ``sync_interval`` steps
-(or on :meth:`DMPCollection.sync`) the copies are averaged over the *replica groups* (the ``R``
-ranks holding the same shards), weights and optimizer state alike
-(:mod:`embshard_dist.dmp.replicas`, which says exactly what matches the unsharded module: SGD
-synced every step does, adaptive optimizers get the replicas' average). Embedding collectives
-stay inside a sharding group, so their cost does not grow with ``R``.
-
-Layouts (those of :class:`~embshard_types.env.ShardingEnv2D`): by default sharding groups are
-strided, global rank ``r`` is position ``r // R`` of sharding group ``r % R`` (a group spans the
-hosts, the replicas of a shard are neighbours, so the sync stays inside a host); with
-``use_inter_host_allreduce`` they are contiguous blocks, rank ``r`` is position ``r % G`` of group
-``r // G`` (the sync crosses hosts).
-
-Guarantees: :func:`create_2d_env` creates every sharding group and every replica group on every
-process, in one order (as torch requires); bad sizes raise ``ValueError`` before any group is
-made; everything ``DistributedModelParallel`` guarantees (plan checked before any collective,
-same plan and source weights on every rank) holds, with plans made for ``G`` ranks.
+Each sharding group holds a full copy of the tables sharded by a plan for its ranks; the dense
+rest is data-parallel over all ranks, and the copies are averaged over replica groups every
+``sync_interval`` steps. :func:`create_2d_env` creates every group on every process in one order;
+bad sizes raise ``ValueError`` before any group is made.
 """
 
 from __future__ import annotations
@@ -32,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from embshard_dist.dmp.dense import DenseOptimizerFactory
+from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.dmp.replicas import ReplicaSync
-from embshard_dist.model_parallel import DistributedModelParallel
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.env import ShardingEnv2D
 from embshard_types.interfaces import ModuleSharder
@@ -45,12 +29,11 @@ __all__ = ["DMPCollection", "create_2d_env", "sharding_group_ranks"]
 def sharding_group_ranks(
     world_size: int, sharding_group_size: int, *, use_inter_host_allreduce: bool = False
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """The ranks of every sharding group and every replica group (see the module docstring).
+    """The ranks of every sharding group and every replica group.
 
     Args:
-        world_size: ranks of the job.
-        sharding_group_size: ranks a copy of the tables is sharded over.
-        use_inter_host_allreduce: contiguous sharding groups (default: strided).
+        use_inter_host_allreduce: contiguous sharding groups (default: strided, so replicas of
+            a shard are neighbours and the sync stays inside a host).
 
     Returns:
         ``(sharding_groups, replica_groups)``: ``sharding_groups[g][i]`` is the global rank at
@@ -85,15 +68,7 @@ def create_2d_env(
     node_group_size: int | None = None,
     use_inter_host_allreduce: bool = False,
 ) -> ShardingEnv2D:
-    """The 2-D environment of this process: its sharding group and its replica group.
-
-    Every process of the job must call this at the same point (it creates every group).
-
-    Args:
-        sharding_group_size: ranks a copy of the tables is sharded over.
-        global_pg: the job's group (default: the default group).
-        node_group_size: ranks of a sharding group per node (node-aware sharding types).
-        use_inter_host_allreduce: contiguous sharding groups (default: strided).
+    """This process's sharding and replica groups; every process calls it at the same point.
 
     Raises:
         ValueError: the group size does not divide the job's world size.
@@ -126,24 +101,13 @@ def create_2d_env(
 
 
 class DMPCollection(DistributedModelParallel):
-    """``DistributedModelParallel`` over a sharding group, replicated (see the module docstring).
+    """``DistributedModelParallel`` over a sharding group, replicated.
 
     Args:
-        module: the model (same weights on every rank, or on ``meta``).
         sharding_group_size: ranks a copy of the tables is sharded over (plans are for this
             many ranks).
-        device: the compute device (default: as ``DistributedModelParallel``).
-        plan: how to shard over a sharding group (default: the simple planner for
-            ``sharding_group_size`` ranks).
-        sharders: one sharder per kind of shardable module.
-        optimizer: the embedding optimizer (an ``OptimizerSpec`` or a name).
-        dense_optimizer: how the dense optimizer is built (see ``DistributedModelParallel``).
         sync_interval: :meth:`maybe_sync` syncs the replicas every this many calls
             (``None``: only explicit :meth:`sync` calls).
-        node_group_size: ranks of a sharding group per node (node-aware sharding types).
-        use_inter_host_allreduce: contiguous sharding groups (default: strided).
-        env: an existing 2-D environment (default: :func:`create_2d_env`).
-        init_data_parallel: wrap the dense rest in DDP over the global group now.
 
     Raises:
         ValueError: bad sizes, or any error ``DistributedModelParallel`` raises.
@@ -195,7 +159,6 @@ class DMPCollection(DistributedModelParallel):
 
     @property
     def sharding_pg(self) -> dist.ProcessGroup:
-        """The ranks this copy of the tables is sharded over."""
         return self._env2d.sharding_pg
 
     @property
@@ -205,21 +168,12 @@ class DMPCollection(DistributedModelParallel):
 
     @property
     def num_replicas(self) -> int:
-        """How many sharding groups (copies of the tables) there are."""
         return self._replica_sync.num_replicas
 
     def sync(self, include_optimizer_state: bool = True) -> None:
-        """Average the tables (and optimizer state) over the replicas now (collective).
-
-        Args:
-            include_optimizer_state: also average the fused optimizers' state.
-        """
+        """Average the tables (and optimizer state) over the replicas now (collective)."""
         self._replica_sync.sync(include_optimizer_state)
 
     def maybe_sync(self) -> bool:
-        """Count a training step (call after each one); syncs every ``sync_interval`` calls.
-
-        Returns:
-            Whether this call synced.
-        """
+        """Count a training step; syncs every ``sync_interval`` calls and says whether it did."""
         return self._replica_sync.step()

@@ -1,28 +1,7 @@
 """The dense rest of a sharded model: data-parallel (DDP) and its optimizer.
 
-Everything outside the sharded sub-modules is replicated on every rank and wrapped in
-``DistributedDataParallel``, which averages the dense gradients over the ranks. That is the
-dense half of embshard's one rule for the math: a step on N ranks with local losses ``L_i``
-equals the unsharded model stepped on the global batch with loss ``(1/N) * sum_i L_i`` (the
-sharded modules scale their embedding gradients by ``1/N`` the same way).
-
-The dense optimizer defaults to the torch optimizer of the same kind as the embedding one:
-
-============================ ================================================================
-embedding optimizer          dense optimizer
-============================ ================================================================
-SGD                          ``torch.optim.SGD``
-Adagrad, RowWiseAdagrad      ``torch.optim.Adagrad`` (L2 weight decay carried over)
-Adam, PartialRowWiseAdam     ``torch.optim.Adam``, ``AdamW`` with weight decay
-LAMB, PartialRowWiseLAMB     ``torch.optim.Adam`` / ``AdamW`` (torch has no LAMB)
-LARS-SGD                     ``torch.optim.SGD`` with its momentum (torch has no LARS)
-============================ ================================================================
-
-with the embedding optimizer's learning rate, betas and eps.
-
-Guarantees: the sharded sub-modules' parameters and buffers are never touched by DDP (neither
-broadcast at construction nor all-reduced); DDP's construction broadcasts rank 0's dense
-parameters, so the dense rest starts identical on every rank.
+DDP averages the dense gradients, the dense half of the 1/N rule; it never touches the sharded
+sub-modules' parameters or buffers, and broadcasts rank 0's dense parameters at construction.
 """
 
 from __future__ import annotations
@@ -46,7 +25,6 @@ __all__ = [
 ]
 
 DenseOptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
-"""Builds the dense optimizer from the list of dense parameters."""
 
 
 def _inside(name: str, sharded: set[str]) -> bool:
@@ -54,12 +32,7 @@ def _inside(name: str, sharded: set[str]) -> bool:
 
 
 def dense_named_parameters(model: nn.Module, sharded: set[str]) -> dict[str, nn.Parameter]:
-    """Name -> parameter for the trainable parameters outside the sharded sub-modules.
-
-    Args:
-        model: the (unwrapped) model.
-        sharded: the paths of the sharded sub-modules.
-    """
+    """Name -> parameter for the trainable parameters outside the sharded sub-modules."""
     return {
         name: p
         for name, p in model.named_parameters()
@@ -73,15 +46,7 @@ def wrap_data_parallel(
     """``model`` in a ``DistributedDataParallel`` that skips the sharded sub-modules.
 
     Returns ``model`` itself when it has no trainable dense parameter (DDP refuses such a
-    model) or when the world has a single rank and no process group.
-
-    Args:
-        model: the model with its sharded sub-modules swapped in.
-        sharded: the paths of the sharded sub-modules.
-        env: the ranks (its process group is DDP's).
-        device: the compute device (DDP's ``device_ids`` for an accelerator).
-        ddp_kwargs: more ``DistributedDataParallel`` options (they override the defaults:
-            ``forward_sync_buffers=False``, ``gradient_as_bucket_view=True``).
+    model) or no process group; ``ddp_kwargs`` override the defaults.
     """
     if env.process_group is None or not dense_named_parameters(model, sharded):
         return model
@@ -104,8 +69,7 @@ def default_dense_optimizer(
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The torch optimizer class and keyword arguments matching an embedding optimizer.
 
-    Args:
-        spec: the embedding optimizer (see the module docstring for the mapping).
+    Torch has no LAMB or LARS: they map to Adam/AdamW and SGD with momentum.
     """
     kind, lr = spec.optim_type, spec.learning_rate
     if kind is OptimType.SGD:
@@ -134,7 +98,6 @@ def dense_optimizer_factory(
     Args:
         dense_optimizer: ``None`` (the default for ``spec``), a ``torch.optim`` class (built
             with ``spec``'s learning rate), or a factory ``params -> optimizer``.
-        spec: the embedding optimizer.
     """
     if dense_optimizer is None:
         cls, kwargs = default_dense_optimizer(spec)

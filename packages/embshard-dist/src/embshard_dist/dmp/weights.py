@@ -1,16 +1,8 @@
 """Source weights: the same on every rank, and the dense rest materialised on the device.
 
-``DistributedModelParallel`` copies each table's shards from the model it is given, so every
-rank must hold the same source weights (build the model with the same seed everywhere, or load
-the same checkpoint). :func:`check_same_source_weights` verifies that cheaply: every rank
-checksums each tensor of the modules to be sharded and one all-gather compares them. The
-checksum is exact integer arithmetic over the tensors' bits (sums modulo 2**64 do not depend on
-the order of addition), so equal tensors give equal checksums whatever the thread count, and a
-permutation of values is caught by a position-weighted second sum.
-
-:func:`materialize_dense` gives the parameters and buffers of the dense rest that are still on
-``meta`` real storage on the device and re-initialises their modules (``reset_parameters``);
-:func:`move_dense` moves the dense rest to the device. Both leave sharded sub-modules alone.
+:func:`check_same_source_weights` compares exact integer checksums of the tensors' bits (equal
+tensors give equal checksums whatever the thread count) with one all-gather; sharded
+sub-modules are left alone by :func:`materialize_dense` and :func:`move_dense`.
 """
 
 from __future__ import annotations
@@ -31,11 +23,7 @@ _POSITION_MOD = 65521
 
 
 def tensor_checksum(t: Tensor) -> tuple[int, int]:
-    """Two exact checksums of ``t``'s bits: their sum and a position-weighted sum (mod 2**64).
-
-    Args:
-        t: a materialised tensor (any dtype whose element size is 1, 2, 4 or 8 bytes).
-    """
+    """Two exact checksums of ``t``'s bits: their sum and a position-weighted sum (mod 2**64)."""
     flat = t.detach().contiguous().reshape(-1)
     int_type = _INT_OF_SIZE.get(flat.element_size())
     if int_type is None:
@@ -57,19 +45,13 @@ def check_same_source_weights(
     *,
     table_of: Callable[[str, str], str | None] | None = None,
 ) -> None:
-    """Raise on every rank unless every rank holds the same tensors in ``modules``.
-
-    Modules on ``meta`` take part too (as "not materialised"), so a rank with a real model and
-    one with a meta model are told apart.
+    """Raise on every rank unless every rank holds the same tensors (or ``meta``) in ``modules``.
 
     Args:
-        modules: module path -> module to be sharded (its state-dict tensors are compared).
-        group: the process group (``None``: the default group).
         table_of: (module path, state-dict key) -> the table's name, for the message.
 
     Raises:
-        ValueError: ranks disagree on the number of tensors, on which are materialised, or on
-            a tensor's values; the message names the module, the tensor (table) and the ranks.
+        ValueError: ranks disagree on the tensors, naming module, table and ranks.
         CollectiveError: a peer died or hung.
     """
     entries = [(path, key, t) for path, m in modules.items() for key, t in _tensors(m)]
@@ -113,7 +95,6 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 def _dense_modules(model: nn.Module, sharded: set[str]) -> Iterator[nn.Module]:
-    """The sub-modules of ``model`` outside the sharded ones (``model`` included)."""
     if "" in sharded:
         return
     for path, module in model.named_modules():
@@ -125,13 +106,8 @@ def _dense_modules(model: nn.Module, sharded: set[str]) -> Iterator[nn.Module]:
 def materialize_dense(model: nn.Module, device: torch.device, sharded: set[str]) -> None:
     """Give every ``meta`` parameter / buffer outside ``sharded`` storage on ``device``.
 
-    Each module that had one is then re-initialised with its ``reset_parameters()`` (drawn
-    from the global random generator, so the ranks may differ: DDP broadcasts rank 0's values).
-
-    Args:
-        model: the model (sharded sub-modules already swapped in).
-        device: the compute device.
-        sharded: the paths of the sharded sub-modules.
+    Their modules are re-initialised by ``reset_parameters()``; ranks may differ until DDP
+    broadcasts rank 0's values.
     """
     for module in _dense_modules(model, sharded):
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]

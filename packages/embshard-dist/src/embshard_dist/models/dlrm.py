@@ -1,9 +1,8 @@
 """A small DLRM-style click model: dense MLP, embedding bags, dot interaction, top MLP.
 
-Guarantees: the sparse part is one ``EmbeddingBagCollection`` attribute named ``sparse_arch``
-(what ``DistributedModelParallel`` shards); everything else is ordinary dense modules. Every
-table must have the same dimension (the dot interaction needs it); the constructor says which
-table differs otherwise. Built on ``meta`` when asked, for sharding before materialising.
+Guarantees: the sparse part is the one ``EmbeddingBagCollection`` attribute ``sparse_arch`` (what
+``DistributedModelParallel`` shards); tables of different dimensions are refused, naming the
+table; the model can be built on ``meta`` for sharding before materialising.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ class DLRM(nn.Module):
 
     Args:
         tables: the embedding tables (all of one dimension).
-        config: the dense shapes.
         device: where to build the parameters (``meta`` to defer materialising).
     """
 

@@ -1,8 +1,7 @@
 """Checking that every rank holds the same sharding plan, with one small all-gather.
 
-Guarantees: :func:`plan_digest` is a pure function of the plan's JSON form (equal plans have
-equal digests on every machine); :func:`check_plan_agreement` raises the same ``ValueError`` on
-every rank when the plans differ, so no rank goes on to shard with a plan the others lack.
+Guarantees: equal plans have equal digests on every machine; :func:`check_plan_agreement`
+raises the same ``ValueError`` on every rank when the plans differ.
 """
 
 from __future__ import annotations
@@ -24,10 +23,6 @@ def plan_digest(plan: ShardingPlan) -> int:
 
 def check_plan_agreement(plan: ShardingPlan, group: Any = None) -> None:
     """Raise on every rank unless every rank of ``group`` holds an equal plan.
-
-    Args:
-        plan: this rank's plan.
-        group: the process group (``None``: the default group).
 
     Raises:
         ValueError: the plans differ; the message groups the ranks by plan.

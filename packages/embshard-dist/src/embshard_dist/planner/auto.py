@@ -1,24 +1,11 @@
 """The default plan: the cost-based planner, fed the machine this job runs on.
 
-``DistributedModelParallel`` without a plan and ``embshard train`` (``--sharding auto``, the
-default) plan with :func:`default_plan`: :class:`~embshard_dist.planner.planner.EmbeddingShardingPlanner`
-for a :func:`runtime_topology`, planned on the group's first rank and broadcast to every rank
-(``collective_plan``), so all ranks shard with one plan even when their memory readings differ.
+:func:`default_plan` plans on the group's first rank for a :func:`runtime_topology` (this run's
+ranks, node size and free memory, with the speeds of a calibration file or the defaults) and
+broadcasts the plan, so all ranks shard alike even when their memory readings differ.
 
-:func:`runtime_topology` builds the topology from the run itself:
-
-* ranks: the sharding group's size, and ranks per node from ``LOCAL_WORLD_SIZE`` (torchrun and
-  ``embshard train`` set it; a 2-D environment's node group wins), else one node;
-* memory per rank: on the CPU, the host's available memory (``MemAvailable``) shared by the
-  node's ranks; on CUDA, the free memory of this rank's GPU (and the host share for UVM);
-* speeds (kernel throughputs, bandwidths, latencies): from a calibrated topology (a
-  :class:`~embshard_dist.planner.topology.Topology`, or the path of a file written by
-  ``embshard calibrate``) when one is given, else the built-in figures of
-  :func:`~embshard_dist.planner.topology.default_topology`.
-
-Guarantees: a ``Topology`` object is used as given (it must be for the group's world size); a
-file's speeds are kept and its world size, node size and memory replaced by the run's; a file
-that cannot be read raises ``ValueError`` naming it, before any collective.
+Guarantees: a ``Topology`` object is used as given; a file's speeds are kept and the rest
+replaced by the run's; an unreadable file raises ``ValueError`` naming it before any collective.
 """
 
 from __future__ import annotations
@@ -33,7 +20,7 @@ from torch import nn
 from embshard_dist.planner.constraints import DEFAULT_BATCH_SIZE, ParameterConstraints
 from embshard_dist.planner.planner import EmbeddingShardingPlanner
 from embshard_dist.planner.topology import Topology, default_topology
-from embshard_dist.sharding.nodes import env_local_world_size, resolve_local_world_size
+from embshard_dist.strategies.nodes import env_local_world_size, resolve_local_world_size
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.env import ShardingEnv
 from embshard_types.plan import ShardingPlan
@@ -66,12 +53,7 @@ def _host_available() -> int:
 
 
 def available_memory_per_rank(device_type: str, local_world_size: int) -> tuple[int, int]:
-    """``(device bytes, host bytes)`` one rank may use now.
-
-    Args:
-        device_type: ``"cpu"`` or ``"cuda"`` (this rank's current GPU).
-        local_world_size: ranks sharing the host.
-    """
+    """``(device bytes, host bytes)`` one rank may use now, shared by ``local_world_size`` ranks."""
     host = max(1, _host_available() // max(1, local_world_size))
     if device_type != "cuda":
         return host, 0
@@ -91,8 +73,6 @@ def runtime_topology(
     """The topology of this run (see the module docstring).
 
     Args:
-        world_size: ranks of the sharding group.
-        device_type: ``"cpu"`` or ``"cuda"``.
         local_world_size: ranks per node (default: ``LOCAL_WORLD_SIZE``, else one node).
         topology: a calibrated topology, or the path of a topology file.
 
@@ -141,14 +121,8 @@ def default_plan(
     """Plan ``module`` for this run with the cost-based planner (one rank plans, all receive).
 
     Args:
-        module: the model (on any device, ``meta`` included).
-        sharders: one sharder per kind of shardable module.
         env: the ranks to shard over (its process group carries the broadcast).
-        device_type: the compute device type.
-        optimizer: the embedding optimizer (its state sizes).
         topology: a calibrated topology, or the path of a topology file.
-        constraints: per-table constraints and traffic figures.
-        batch_size: samples per rank per step.
 
     Raises:
         ValueError: bad constraints or topology, or no plan fits (on every rank).

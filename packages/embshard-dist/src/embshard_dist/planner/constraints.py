@@ -1,20 +1,11 @@
 """What a user may tell the planner about each table: allowed options, traffic, placement.
 
-:class:`ParameterConstraints` follows TorchRec's fields of the same names: the sharding types
-and compute kernels a table may use, the narrowest column block (``min_partition``), its
-traffic (``pooling_factors``: average ids per bag per feature, ``num_poolings``: bags per
-sample per feature, ``batch_sizes``: samples per rank per feature), whether its inputs are
-weighted, cache parameters, and the kernel options copied into its ``ParameterSharding``.
-embshard adds ``ranks``: the only ranks the table's shards may be placed on (one rank forces
-the placement of a table-wise table), and ``zipf_exponent``: how skewed the ids are (hot rows
-make a step touch fewer distinct rows, see :mod:`~embshard_dist.planner.traffic`).
+Fields follow TorchRec's ``ParameterConstraints``; embshard adds ``ranks`` (allowed placement)
+and ``zipf_exponent`` (id skew). Constraints are keyed by table name or ``"module.path.table"``
+(the qualified name wins).
 
-Constraints are keyed by table name or by ``"module.path.table"`` (the qualified name wins).
-
-Guarantees: constraints are frozen and validated at construction (``ValueError`` naming the
-field); :func:`check_constraints` refuses keys naming no table and ranks outside the world
-before anything is planned; :func:`table_workload` turns a table and its constraints into the
-ids and bags one rank feeds per step, the quantities every time and buffer estimate uses.
+Guarantees: constraints are frozen and validated at construction; :func:`check_constraints`
+refuses keys naming no table and ranks outside the world before anything is planned.
 """
 
 from __future__ import annotations
@@ -74,16 +65,12 @@ class ParameterConstraints:
         num_poolings: bags per sample, per feature (default 1).
         batch_sizes: samples per rank per step, per feature (default: the planner's batch).
         is_weighted: override whether the inputs carry weights.
-        cache_params: device-cache options (UVM caching kernels; ``load_factor`` sizes the
-            cache in device memory).
-        enforce_hbm: copied into the plan.
-        stochastic_rounding: copied into the plan.
-        bounds_check_mode: copied into the plan.
-        output_dtype: copied into the plan.
-        key_value_params: copied into the plan (key-value kernel).
+        cache_params: device-cache options (``load_factor`` sizes the cache in device memory).
+        enforce_hbm, stochastic_rounding, bounds_check_mode, output_dtype, key_value_params:
+            copied into the plan.
         ranks: the only ranks its shards may go to (one rank: a forced placement).
-        zipf_exponent: the ids follow a Zipf law of this exponent over the rows (hot rows;
-            ``None`` or 0: uniform ids); sets how many distinct rows a step updates.
+        zipf_exponent: the ids follow a Zipf law of this exponent over the rows (``None`` or 0:
+            uniform); sets how many distinct rows a step touches.
     """
 
     sharding_types: tuple[ShardingType, ...] | None = None
@@ -220,7 +207,7 @@ def check_constraints(
     """Refuse constraints that name no table, are of the wrong type or name ranks outside the world.
 
     Raises:
-        ValueError / TypeError: naming the key and what to fix.
+        ValueError, TypeError: naming the key and what to fix.
     """
     if not constraints:
         return
@@ -259,9 +246,8 @@ class TableWorkload:
     Args:
         ids: ids looked up per rank per step (all features).
         bags: pooled outputs per rank per step (all features).
-        weighted: whether each id carries a weight.
-        outputs: output rows per rank per step (``bags`` for a pooled table, ``ids`` for a
-            sequence table); default ``bags``.
+        outputs: output rows per rank per step (``bags`` pooled, ``ids`` sequence; default
+            ``bags``).
         zipf_exponent: skew of the ids (``None``: uniform).
     """
 
@@ -293,8 +279,6 @@ def table_workload(
     """The ids and bags one rank sends ``table`` per step.
 
     Args:
-        table: the table.
-        constraints: its constraints (pooling factors, poolings, batch sizes, weighted).
         batch_size: samples per rank when the constraints give no batch sizes.
     """
     n = len(table.features)

@@ -1,9 +1,7 @@
-"""What the planner's costs are made of and measured in: :class:`Cost` per rank and step, the
-:class:`CostModel` (topology and optimizer) they are computed for, and each table with its
-constraints and traffic (:class:`LoadedTable`), plus the memory a rank leaves to tables.
+"""What the planner's costs are made of: :class:`Cost` per rank and step, the :class:`CostModel`
+they are computed for, and each table with its traffic (:class:`LoadedTable`).
 
-Guarantees: frozen values, pure functions; :mod:`~embshard_dist.planner.costs` turns these into
-the costs of each shard.
+Guarantees: frozen values and pure functions.
 """
 
 from __future__ import annotations
@@ -54,8 +52,6 @@ class Cost:
     """What something costs one rank per step.
 
     Args:
-        compute_s: lookup, backward and update time.
-        comms_s: collective time.
         storage: bytes of compute-device memory (HBM on CUDA, host memory on the CPU).
         host_storage: bytes of host memory on CUDA (UVM tables); 0 on the CPU.
     """
@@ -87,8 +83,6 @@ class CostModel:
     """The topology and optimizer the costs are computed for.
 
     Args:
-        topology: ranks, memory and speeds.
-        optimizer: the embedding optimizer (its state sizes).
         fused_on_torch: the fused kernel runs embshard's plain-torch update (optimizers that
             FBGEMM cannot run on the device), costed at the ``sparse_update`` throughput.
         cache_load_factor: share of rows cached in device memory by the UVM-caching and
@@ -104,11 +98,7 @@ class CostModel:
 
     @classmethod
     def build(cls, topology: Topology, optimizer: OptimizerSpec | None = None) -> CostModel:
-        """The model for ``topology`` and ``optimizer`` (default: RowWiseAdagrad).
-
-        Asks FBGEMM's capability table (lazily imported) whether the optimizer runs in its
-        fused kernel on the device.
-        """
+        """The model for ``topology`` and ``optimizer`` (default: RowWiseAdagrad)."""
         spec = optimizer or DEFAULT_PLANNER_OPTIMIZER
         on_torch = False
         if topology.compute_device == "cpu":
@@ -134,13 +124,7 @@ class CostModel:
 
 @dataclass(frozen=True)
 class LoadedTable:
-    """A table with its constraints and per-rank traffic.
-
-    Args:
-        table: the table.
-        constraints: its constraints.
-        workload: ids and bags per rank per step.
-    """
+    """A table with its constraints and per-rank traffic."""
 
     table: PlannerTable
     constraints: ParameterConstraints

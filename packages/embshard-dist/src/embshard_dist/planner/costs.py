@@ -1,49 +1,12 @@
 """The planner's cost model: memory and step time each shard puts on the rank that holds it.
 
-Every estimate is built from four pieces, each a function of one table's shape and traffic
-(:class:`~embshard_dist.planner.cost_model.LoadedTable`), the
-:class:`~embshard_dist.planner.topology.Topology` and the optimizer (the
-:class:`~embshard_dist.planner.cost_model.CostModel`):
+A shard's step time is its holder's cost (ids in, lookup, update, output out), every rank's
+cost of feeding it a batch, and the per-type overheads of the topology's calibration; storage
+is weights, optimizer state and one step's buffers, split between device and host memory by
+kernel. Time is compute plus comms with no overlap; a plan's step time is its slowest rank's.
 
-* :func:`holder_cost`: a shard of ``rows x cols`` on the rank that holds it: receiving the ids
-  it looks up (every rank's ids for its rows), the lookup forward and backward with the update,
-  and sending its pooled output (an all-to-all for table/column-wise shards, a reduce-scatter
-  over all ranks for row-wise, within the node then across nodes for table-row-wise and grid);
-* :func:`batch_cost`: what every rank pays for each sharded table on its own batch: sending
-  its ids out and receiving its pooled rows back;
-* :func:`replica_cost`: a data-parallel table on every rank: a local lookup, then embshard's
-  sparse all-reduce of the touched rows and the same sparse update on every rank;
-* :func:`collective_overhead`: what using one sharding type at all costs every rank per step,
-  and :func:`table_overhead` what each of its tables adds (the calibrated
-  :class:`~embshard_dist.planner.topology.ShardingOverhead`: latency of its collectives and
-  per-call work; without a calibration, the topology's latency per collective); the same
-  calibration's :func:`compute_scale` multiplies the type's compute (its code path against the
-  kernel probes); :func:`mixing_cost` is what a plan of more than one type adds (one more copy
-  of the collection's output and of its gradient).
-
-Compute of a shard: the forward reads the rows of its ids and writes its outputs, the first
-read of each distinct row costing more (a cache miss); the backward moves twice the forward's
-bytes; the fused update reads and writes each distinct touched row with its optimizer state
-(each at its kernel's calibrated throughput).
-
-Traffic assumptions (documented, deliberately simple): hot rows are spread over a table, so a
-row block receives its share of the global ids and of the distinct rows they touch
-(:func:`~embshard_dist.planner.traffic.distinct_rows`: uniform ids, or a Zipf law when the
-table's constraints give ``zipf_exponent``); a sequence table outputs one row per id;
-collectives move ``sent + received`` bytes at the topology's bandwidth, split between peers on
-the same node and peers on other nodes. Time is compute (lookups, updates) plus comms, per
-rank, with no overlap: the step time of a plan is its slowest rank's.
-
-Storage counts whole bytes per rank: weights, optimizer state (``state_names`` of the
-optimizer; row-wise states one fp32 per row), the input and output buffers of one step, and a
-dense gradient for the ``dense`` kernel. On CUDA, UVM kernels keep weights and state in host
-memory (the caching kernel keeps ``load_factor`` of the rows in device memory too) and the
-key-value kernel keeps only its cache in device memory.
-
-Guarantees: pure functions of their arguments (deterministic); :func:`sharding_costs` of the
-``ParameterSharding`` built from an option gives, rank by rank, the costs of that option
-(:mod:`~embshard_dist.planner.enumerate`), so the estimate of a plan
-(:mod:`~embshard_dist.planner.estimate`) is exactly what the partitioner balanced.
+Guarantees: pure, deterministic functions; :func:`sharding_costs` of an option's
+``ParameterSharding`` gives exactly the costs the partitioner balanced.
 """
 
 from __future__ import annotations
@@ -76,28 +39,25 @@ __all__ = [
 ]
 
 DENSE_PASSES = 10
-"""Passes over a ``dense``-kernel shard per step (zeroed gradient, torch optimizer step).
-Measured on K1 (benchmarks.md): TorchRec's dense collection with torch Adagrad costs ~85 ms
-more than FBGEMM's fused update for 4 x 100k x 64 fp32, ~10 passes at copy bandwidth."""
+"""Passes over a ``dense``-kernel shard per step (zeroed gradient, torch optimizer step): the
+dense gradient and the torch optimizer's step each sweep the whole shard at memory bandwidth."""
 
 _LENGTH_BYTES = 4
-_COLLECTIVES_PER_TYPE = 4  # ids splits, ids values, output forward, gradient backward
-_COLLECTIVES_DATA_PARALLEL = 2  # sizes, rows
+_COLLECTIVES_PER_TYPE = 4  # per type, a collective per: ids splits, ids values, output, gradient
+_COLLECTIVES_DATA_PARALLEL = 2
 
 _ROW_FAMILY = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
 _NODE_REDUCED = (ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
 
 
 def _touched(lt: LoadedTable, rows: float, global_ids: float) -> float:
-    """Distinct rows of a ``rows``-row block of ``lt`` touched by ``global_ids`` ids (over the
-    whole table)."""
+    """Distinct rows of a ``rows``-row block of ``lt`` touched by ``global_ids`` ids."""
     t = lt.table.rows
     return distinct_rows(t, global_ids, lt.workload.zipf_exponent) * min(1.0, rows / t)
 
 
 def _update_bytes(touched: float, cols: int, eb: float, state_row: int) -> float:
-    """Bytes the fused update moves: each touched row's weights and gradient read and written,
-    its optimizer state read and written."""
+    """Bytes the fused update reads and writes: touched rows, their gradient and state."""
     return touched * (cols * (2 * eb + 8) + 2 * state_row)
 
 
@@ -162,8 +122,6 @@ def _backward_s(
     eb = lt.table.element_bytes
     state_row = model.state_bytes_per_row(cols)
     if kernel is ComputeKernel.DENSE:
-        # Autograd writes a dense gradient of the whole shard, which a torch optimizer then
-        # steps: DENSE_PASSES passes over the shard at memory bandwidth.
         whole = DENSE_PASSES * rows * cols * 4
         return 2 * fwd_bytes / topo.throughput(kernel).bwd_bytes_per_s + whole / topo.memory_bw
     if model.fused_on_torch and kernel in (ComputeKernel.FUSED, ComputeKernel.DEFAULT):
@@ -192,12 +150,6 @@ def holder_cost(
     """Cost, on the rank holding it, of one ``rows x cols`` shard of a sharded table.
 
     Args:
-        lt: the table.
-        sharding_type: its sharding type (not data-parallel).
-        kernel: its compute kernel.
-        rows: rows of the shard.
-        cols: columns of the shard.
-        model: topology and optimizer.
         column_blocks: number of column blocks the table is cut into.
     """
     topo = model.topology
@@ -241,9 +193,6 @@ def batch_cost(
     """Cost, on every rank, of feeding a sharded table its own batch and getting rows back.
 
     Args:
-        lt: the table.
-        sharding_type: its sharding type (not data-parallel).
-        model: topology and optimizer.
         column_blocks: number of column blocks (column-wise, table-column-wise, grid).
     """
     topo = model.topology
@@ -262,18 +211,12 @@ def batch_cost(
     comms = _spread(in_bytes, topo) + table_overhead(sharding_type, model)
     if sharding_type not in _ROW_FAMILY:
         comms += _spread(2 * out_bytes, topo)
-    compute = 2 * w.ids * lt.id_bytes / topo.memory_bw  # permute / bucketize the ids
+    compute = 2 * w.ids * lt.id_bytes / topo.memory_bw
     return Cost(compute, comms, math.ceil(in_bytes + 2 * out_bytes), 0)
 
 
 def replica_cost(lt: LoadedTable, kernel: ComputeKernel, model: CostModel) -> Cost:
-    """Cost, on every rank, of a data-parallel table (looked up locally, sparse all-reduce).
-
-    Args:
-        lt: the table.
-        kernel: its compute kernel (sets the lookup throughput).
-        model: topology and optimizer.
-    """
+    """Cost, on every rank, of a data-parallel table (looked up locally, sparse all-reduce)."""
     topo = model.topology
     n = topo.world_size
     rows, dim = lt.table.rows, lt.table.dim
@@ -286,7 +229,7 @@ def replica_cost(lt: LoadedTable, kernel: ComputeKernel, model: CostModel) -> Co
     fwd_bytes = w.ids * dim * eb + w.output_rows * dim * lt.output_bytes
     compute = _forward_s(thr, fwd_bytes, local_rows * dim * eb)
     compute += 2 * fwd_bytes / thr.bwd_bytes_per_s
-    compute += 2 * n * local_rows * dim * 4 / topo.memory_bw  # sum the gathered rows
+    compute += 2 * n * local_rows * dim * 4 / topo.memory_bw
     compute += _update_s(_update_bytes(global_rows, dim, eb, state_row), model)
     compute *= compute_scale(ShardingType.DATA_PARALLEL, model)
     chunk = local_rows * (dim * 4 + ID_BYTES)
@@ -300,8 +243,7 @@ def replica_cost(lt: LoadedTable, kernel: ComputeKernel, model: CostModel) -> Co
 def collective_overhead(sharding_type: ShardingType, model: CostModel) -> Cost:
     """What using ``sharding_type`` at all adds to every rank per step.
 
-    The calibrated :class:`~embshard_dist.planner.topology.ShardingOverhead` ``step_s`` when the
-    topology has one, else the latency of the type's collectives.
+    The calibrated overhead's ``step_s`` when the topology has one, else its collectives' latency.
     """
     if model.topology.world_size == 1:
         return ZERO
@@ -317,11 +259,11 @@ def collective_overhead(sharding_type: ShardingType, model: CostModel) -> Cost:
 
 
 def mixing_cost(tables: Sequence[LoadedTable], model: CostModel) -> Cost:
-    """What a plan of more than one sharding type adds to every rank per step: the collection
-    puts the types' pooled outputs side by side in the caller's column order, one more copy of
-    its whole output ``[batch, sum of dims]`` in the forward and of its gradient in the
-    backward, each read and written at the topology's memory bandwidth (sequence tables return
-    one tensor per feature and copy nothing)."""
+    """What a plan of more than one sharding type adds to every rank per step.
+
+    One more copy of the collection's output and of its gradient, to put the types' outputs in
+    the caller's column order (sequence tables copy nothing).
+    """
     out_bytes = sum(
         lt.workload.output_rows * lt.table.dim * lt.output_bytes
         for lt in tables
@@ -337,8 +279,7 @@ def compute_scale(sharding_type: ShardingType, model: CostModel) -> float:
 
 
 def table_overhead(sharding_type: ShardingType, model: CostModel) -> float:
-    """Seconds each table of ``sharding_type`` adds to every rank per step beyond its bytes
-    (the calibrated ``per_table_s``; 0 without a calibration)."""
+    """Seconds each table of ``sharding_type`` adds per step (0 without a calibration)."""
     if model.topology.world_size == 1:
         return 0.0
     measured = model.topology.overhead(sharding_type)

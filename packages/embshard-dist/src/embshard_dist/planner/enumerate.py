@@ -1,30 +1,13 @@
 """Every way each table can be sharded on the device, with what each piece of it costs.
 
-For every table, every sharding type the sharder offers on the device (and the table's
-constraints allow) is enumerated with every allowed kernel (the ``dense`` and ``quant`` kernels only
-when the table's constraints list them), on the CPU as on CUDA: data-parallel,
-table-wise, row-wise, column-wise (2, 4, 8... blocks, up to the world size), table-row-wise,
-table-column-wise and grid. Each :class:`ShardingOption` says what it costs as
+Each :class:`ShardingOption` (a sharding type, a kernel and a column-block count the sharder
+and constraints allow) has a fixed ``base`` cost per rank and ``units`` the partitioner places
+on a rank or a node. Shard sizes come from :mod:`embshard_dist.strategies.layout`, costs from
+:mod:`embshard_dist.planner.estimate`, so :meth:`ShardingOption.build` gives exactly what the
+partitioner balanced.
 
-* ``base``: a fixed cost per rank (the batch side of a sharded table, the replicas of a
-  data-parallel one, the row blocks of a row-wise one, which sit on every rank in order), and
-* ``units``: pieces the partitioner places: one shard on one rank (table-wise, each column
-  block), or one block of ``ranks_per_node`` shards on one node (table-row-wise, the column
-  blocks of table-column-wise, each column block of grid).
-
-Shard sizes come from :mod:`embshard_dist.sharding.layout` (the same cut the sharded modules
-use) and costs from :mod:`embshard_dist.planner.estimate`, so :meth:`ShardingOption.build` gives
-the ``ParameterSharding`` whose estimate is exactly what the partitioner balanced.
-
-Sharders are duck-typed (:class:`ShardingCapabilities`). Without one, the planner uses
-embshard's ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder`` when they are
-installed, else
-:class:`DefaultCapabilities` (all seven types, the device's training kernels).
-
-Guarantees: options come out in a fixed order (types in :data:`SHARDING_TYPE_ORDER`, kernels
-with ``fused`` first), so the planner is deterministic; options another option of the same
-shape beats on every rank in time and memory are dropped; a table left with no option raises
-``ValueError`` naming it, what its constraints allow and what the sharder offers.
+Guarantees: options come out in a fixed order; dominated options are dropped; a table left
+with no option raises ``ValueError`` naming it, what it allows and what the sharder offers.
 """
 
 from __future__ import annotations
@@ -35,7 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from embshard_dist.planner.cost_model import ZERO, Cost, CostModel, LoadedTable
 from embshard_dist.planner.costs import batch_cost, holder_cost, replica_cost
-from embshard_dist.sharding.layout import (
+from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
+from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
+from embshard_dist.sharded.sharder import supported_kernels
+from embshard_dist.strategies.layout import (
     MIN_COLUMN_BLOCK,
     column_wise_dims,
     row_wise_sizes,
@@ -86,12 +72,7 @@ class ShardingCapabilities(Protocol):
 
 
 class DefaultCapabilities:
-    """All seven sharding types, with the kernels embshard runs on the device.
-
-    Kernels come from ``embshard_kernels.fbgemm_mapping.available_kernels(device)``: data-parallel
-    tables use the ``fused`` kernel (embshard exchanges their touched rows and applies the same
-    sparse update on every rank); the sharded types every available kernel.
-    """
+    """All seven sharding types with the kernels embshard's sharders train on the device."""
 
     def sharding_types(self, compute_device_type: str) -> list[ShardingType]:
         """Every sharding type."""
@@ -100,22 +81,12 @@ class DefaultCapabilities:
     def compute_kernels(
         self, sharding_type: ShardingType | str, compute_device_type: str
     ) -> list[ComputeKernel]:
-        """The device's kernels for ``sharding_type`` (see the class docstring)."""
-        from embshard_kernels.fbgemm_mapping import available_kernels
-
-        if ShardingType.parse(sharding_type) is ShardingType.DATA_PARALLEL:
-            return [ComputeKernel.FUSED]
-        return list(available_kernels(compute_device_type))
+        """The kernels the sharders run for ``sharding_type`` on the device."""
+        return supported_kernels(ShardingType.parse(sharding_type), compute_device_type)
 
 
 def default_sharders() -> list[ShardingCapabilities]:
-    """embshard's ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder`` if
-    installed, else ``DefaultCapabilities``."""
-    try:
-        from embshard_dist.sharders.embedding import EmbeddingCollectionSharder
-        from embshard_dist.sharders.embedding_bag import EmbeddingBagCollectionSharder
-    except ImportError:
-        return [DefaultCapabilities()]
+    """embshard's ``EmbeddingBagCollectionSharder`` and ``EmbeddingCollectionSharder``."""
     return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
 
 
@@ -125,7 +96,6 @@ class Unit:
 
     Args:
         costs: one cost (placed on a rank) or one per rank of a node (placed on a node).
-        node: whether it is placed on a node.
     """
 
     costs: tuple[Cost, ...]
@@ -146,14 +116,10 @@ class ShardingOption:
 
     Args:
         table_index: index of the table in the planner's table list.
-        table: the table.
-        sharding_type: the sharding type.
-        compute_kernel: the kernel.
         base: fixed cost per rank.
         units: pieces to place (see the module docstring).
         allowed_ranks: ranks a rank unit may go to.
         allowed_nodes: nodes a node unit may go to.
-        column_blocks: number of column blocks.
     """
 
     table_index: int
@@ -197,7 +163,6 @@ class ShardingOption:
 
         Args:
             placement: the rank (rank units) or node (node units) of each unit, in order.
-            model: the cost model (its topology gives nodes and the device).
         """
         topo = model.topology
         t = self.table.table
@@ -223,7 +188,7 @@ class ShardingOption:
             local_world_size=topo.ranks_per_node,
             table_name=t.key,
         )
-        assert specs is not None  # only data-parallel has none
+        assert specs is not None
         return ParameterSharding(kind, self.compute_kernel, tuple(ranks), tuple(specs), **kwargs)
 
 
@@ -348,8 +313,7 @@ def _dominates(a: ShardingOption, b: ShardingOption) -> bool:
 
 
 def _prune(options: list[ShardingOption]) -> list[ShardingOption]:
-    """Drop options another of the same type and shape beats everywhere (the first of equals
-    stays)."""
+    """Drop options another of the same type and shape beats everywhere (first of equals stays)."""
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, o in enumerate(options):
         shape = (o.sharding_type, o.column_blocks, tuple(len(u.costs) for u in o.units))
@@ -374,12 +338,7 @@ def enumerate_options(
     sharders: Sequence[Any],
     model: CostModel,
 ) -> list[list[ShardingOption]]:
-    """The options of every table, in table order.
-
-    Args:
-        tables: the tables with their constraints and traffic.
-        sharders: the sharder of each table (one per table, same order).
-        model: the cost model.
+    """The options of every table, in table order (``sharders``: one per table).
 
     Raises:
         ValueError: a table has no option left (named, with what was allowed and offered).

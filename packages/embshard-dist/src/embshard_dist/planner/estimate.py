@@ -1,14 +1,11 @@
 """Estimated memory and step time of a whole plan, per rank and per table.
 
-:func:`estimate_plan` takes any plan (the planner's, a hand-written one, TorchRec's converted)
-with the tables it shards, their traffic and a topology, and adds up the cost model of
-:mod:`~embshard_dist.planner.costs` shard by shard: ``estimate_plan(...).per_rank_ms()`` is each
-rank's predicted compute, comms and total milliseconds per step, ``.max_ms`` the plan's
-predicted step time (its slowest rank's), ``.ranks[r].storage`` the bytes rank ``r`` holds.
+:func:`estimate_plan` adds up the cost model of :mod:`~embshard_dist.planner.costs` shard by
+shard for any plan (the planner's, a hand-written one, TorchRec's converted).
 
-Guarantees: pure and deterministic; for a plan made by the planner it reproduces the numbers
-the partitioner balanced; a plan missing a table, or naming ranks outside the topology's world,
-raises ``ValueError`` naming the table.
+Guarantees: pure and deterministic; for a plan made by the planner it reproduces what the
+partitioner balanced; a plan missing a table or naming ranks outside the world raises
+``ValueError`` naming the table.
 """
 
 from __future__ import annotations
@@ -52,14 +49,10 @@ class RankEstimate:
     """One rank's estimated step.
 
     Args:
-        rank: the rank.
         compute_ms: lookup, backward and update time.
-        comms_ms: collective time.
         storage: device bytes used by tables.
-        capacity: device bytes the rank has.
         usable: device bytes left for tables (capacity less the reserve and the dense part).
         host_storage: host bytes used (CUDA UVM tables).
-        host_capacity: host bytes the rank has (CUDA).
     """
 
     rank: int
@@ -79,13 +72,7 @@ class RankEstimate:
 
 @dataclass(frozen=True)
 class TableEstimate:
-    """One table's share of the estimated step.
-
-    Args:
-        key: the table's qualified name.
-        sharding: its sharding.
-        per_rank: its cost on each rank it touches (rank -> cost).
-    """
+    """One table's share of the estimated step (``per_rank``: its cost on each rank it touches)."""
 
     key: str
     sharding: ParameterSharding
@@ -107,10 +94,7 @@ class PlanEstimate:
     """The estimated memory and step time of a plan, per rank and per table.
 
     Args:
-        ranks: per-rank totals, in rank order.
-        tables: per-table shares, in table order.
         overhead: per-rank collective latency of the sharding types used.
-        topology: the topology estimated for.
     """
 
     ranks: tuple[RankEstimate, ...]
@@ -223,13 +207,8 @@ def estimate_plan(
 ) -> PlanEstimate:
     """Estimated memory and step time per rank of ``plan`` (any plan, not only the planner's).
 
-    ``estimate_plan(...).per_rank_ms()`` gives each rank's predicted compute, comms and total
-    milliseconds per step; ``.max_ms`` the predicted step time.
-
     Args:
-        plan: the plan.
         tables: the model or table list the plan is for.
-        topology: the machine.
         constraints: traffic figures per table (pooling factors, batch sizes...).
         batch_size: samples per rank per step when constraints give none.
         optimizer: the embedding optimizer (default: RowWiseAdagrad).

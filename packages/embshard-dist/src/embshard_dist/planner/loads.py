@@ -1,15 +1,10 @@
 """Per-rank load bookkeeping for the partitioner: placing one option's pieces on ranks.
 
-:class:`LoadState` holds each rank's estimated time and memory so far and which sharding types
-are in use (each type in use adds its collectives' latency to every rank, and using more than
-one type the copy that puts their outputs side by side: ``costs.mixing_cost``). :func:`place` puts
-one option on the state: its fixed per-rank cost, then each unit on the allowed rank (or node)
-where it ends soonest, among those with memory left; it returns ``None`` when no placement fits.
+:func:`place` puts an option's fixed cost on every rank, then each unit where it ends soonest
+among the allowed ranks (or nodes) with memory left.
 
-Guarantees: deterministic (ties go to the lowest rank or node); a placement returned never puts
-any rank over its usable memory (device, and host on CUDA); ``apply`` then ``remove`` of the
-same placement restores the state exactly for memory (integers) and up to float rounding for
-time.
+Guarantees: deterministic (ties go to the lowest rank or node); a placement never puts a rank
+over its usable memory; ``apply`` then ``remove`` restores memory exactly.
 """
 
 from __future__ import annotations
@@ -28,15 +23,7 @@ __all__ = ["LoadState", "PartitionContext", "Placed", "place", "score_after"]
 
 @dataclass(frozen=True)
 class Placed:
-    """An option with its units placed, and what it adds to each rank.
-
-    Args:
-        option: the option.
-        placement: the rank or node of each unit.
-        dt: seconds added per rank.
-        dm: device bytes added per rank.
-        dh: host bytes added per rank.
-    """
+    """An option with its units placed, and the seconds, device and host bytes it adds per rank."""
 
     option: ShardingOption
     placement: tuple[int, ...]
@@ -54,8 +41,6 @@ class PartitionContext:
     """What the partitioner needs besides the state: options, capacities, nodes, latencies.
 
     Args:
-        options: the options of each table.
-        model: the cost model.
         usable: device bytes each rank may give to tables.
         host_usable: host bytes each rank may give to UVM tables (CUDA).
     """
@@ -77,7 +62,7 @@ class PartitionContext:
         self.overhead = {k: collective_overhead(k, model).time_s for k in ShardingType}
         self.mixing = mixing_cost([opts[0].table for opts in self.options if opts], model).time_s
         self.min_total = [min(o.total_s for o in opts) for opts in self.options]
-        # Heaviest tables first (their cheapest option), then by name: longest-processing-time.
+        # Longest-processing-time order: heaviest tables (their cheapest option) first, then by name.
         self.order = sorted(
             range(len(self.options)),
             key=lambda i: (-self.min_total[i], self.options[i][0].table.table.key),
@@ -85,11 +70,7 @@ class PartitionContext:
 
 
 class LoadState:
-    """Each rank's load so far.
-
-    Args:
-        n: number of ranks.
-    """
+    """Each rank's load so far, over ``n`` ranks."""
 
     __slots__ = ("counts", "host", "mem", "n", "ov", "time")
 
@@ -113,8 +94,7 @@ class LoadState:
         return other
 
     def new_overhead(self, kind: ShardingType, ctx: PartitionContext) -> float:
-        """Latency added to every rank if an option of ``kind`` is placed now (its type's, and
-        the mixing copy when it is the second type in use)."""
+        """Latency every rank gets from placing an option of ``kind`` now (with any mixing copy)."""
         if self.counts.get(kind, 0):
             return 0.0
         return ctx.overhead[kind] + (ctx.mixing if len(self.counts) == 1 else 0.0)
@@ -139,7 +119,7 @@ class LoadState:
         self.counts[kind] -= 1
         if not self.counts[kind]:
             del self.counts[kind]
-            self.ov -= self.new_overhead(kind, ctx)  # what placing it again would add back
+            self.ov -= self.new_overhead(kind, ctx)
 
     @property
     def max_s(self) -> float:

@@ -1,22 +1,10 @@
 """Choosing one option per table and placing it: the slowest rank as fast as memory allows.
 
-:func:`partition` runs, in order:
+:func:`partition` runs a greedy proposer (heaviest tables first), a local search, a beam search
+within a budget and, for small problems, an exact branch-and-bound that proves optimality.
 
-1. a greedy proposer: tables heaviest first (longest-processing-time order), each given the
-   option and placement that keeps the lower bound of the final step time smallest (the larger
-   of the slowest rank so far and the mean rank time once the other tables' cheapest options
-   are added), then the smaller total time; if memory runs out, a second greedy pass that
-   places each table where memory stays most even;
-2. a local search: each table in turn is taken out and put back with its best option and
-   placement, while that lowers (slowest rank, sum of squared rank times);
-3. a beam search (:func:`~embshard_dist.planner.search.beam_search`) whose width fits a fixed
-   budget of placements, followed by the same local search; the better partition is kept;
-4. for small problems, an exact branch-and-bound seeded with the best so far; when it finishes
-   the result is optimal over the enumerated options (``Partition.optimal``).
-
-Guarantees: deterministic for the same input (no clocks, no randomness, ties broken by index);
-every returned partition fits every rank's usable memory; when nothing fits, :class:`NoFit`
-says which table could not be placed and the loads at that point.
+Guarantees: deterministic (ties broken by index); every partition fits every rank's usable
+memory; when nothing fits, :class:`NoFit` says which table could not be placed.
 """
 
 from __future__ import annotations
@@ -30,8 +18,8 @@ from embshard_dist.planner.search import SearchResult, beam_search, exact_search
 __all__ = ["NoFit", "Partition", "SearchMode", "greedy", "improve", "partition"]
 
 SearchMode = Literal["auto", "greedy", "beam", "exact"]
-"""``greedy``: steps 1-2; ``beam``: 1-3; ``exact``: 1-4 whatever the size; ``auto``: 1-3, and
-4 when there are at most ``EXACT_MAX_TABLES`` tables."""
+"""``greedy``: greedy and local search; ``beam``: then beam search; ``exact``: then exact search
+whatever the size; ``auto``: beam, then exact for at most ``EXACT_MAX_TABLES`` tables."""
 
 BEAM_BUDGET = 60_000
 """Placements the beam search may try (its width is this over tables x options, 1 to 16)."""
@@ -66,8 +54,6 @@ class Partition:
     """The chosen option and placement of every table.
 
     Args:
-        choices: per table, in table order.
-        max_s: the slowest rank's estimated step time.
         method: which steps produced it (e.g. ``"beam(16)+local"``).
         optimal: the exact search finished: no partition of the enumerated options is faster.
     """
@@ -79,10 +65,9 @@ class Partition:
 
 
 def greedy(ctx: PartitionContext, *, memory_first: bool = False) -> SearchResult:
-    """The greedy proposer (step 1 of the module docstring).
+    """The greedy proposer: each table, heaviest first, where it keeps the step-time bound lowest.
 
     Args:
-        ctx: options, capacities and latencies.
         memory_first: rank candidates by the fullest rank's memory share first.
 
     Raises:
@@ -119,10 +104,7 @@ def greedy(ctx: PartitionContext, *, memory_first: bool = False) -> SearchResult
 def improve(ctx: PartitionContext, result: SearchResult, max_passes: int = 4) -> SearchResult:
     """Local search: re-place one table at a time while (slowest, sum of squares) drops.
 
-    Args:
-        ctx: options, capacities and latencies.
-        result: the partition to improve (left unchanged; a new one is returned).
-        max_passes: passes over all tables at most.
+    Returns a new partition; ``result`` is left unchanged.
     """
     st = result.state.copy()
     choices = list(result.choices)
@@ -165,11 +147,9 @@ def partition(
     beam_budget: int = BEAM_BUDGET,
     exact_budget: int = EXACT_BUDGET,
 ) -> Partition:
-    """Choose and place an option for every table (see the module docstring).
+    """Choose and place an option for every table.
 
     Args:
-        ctx: options, capacities and latencies.
-        search: how far to search (:data:`SearchMode`).
         beam_budget: placements the beam search may try.
         exact_budget: placements the exact search may try.
 
@@ -182,8 +162,7 @@ def partition(
         try:
             best = greedy(ctx, memory_first=True)
         except NoFit:
-            # Whatever the search mode, refuse only when a search finds no fit either: the
-            # greedy passes can paint themselves into a corner a wider search avoids.
+            # Refuse only when a wider search finds no fit either: greedy passes can corner themselves.
             rescued = _rescue(ctx, beam_budget, exact_budget)
             if rescued is None:
                 raise first from None

@@ -1,22 +1,12 @@
 """``EmbeddingShardingPlanner``: the cost-based sharding planner.
 
-``plan(module, sharders)`` finds the tables (every ``EmbeddingBagCollection`` of the model, by
-path, or a list of table configs), enumerates every option the sharders offer on the device
-(:mod:`~embshard_dist.planner.enumerate`), estimates each option's memory and time per rank
-(:mod:`~embshard_dist.planner.estimate`, from the :class:`~embshard_dist.planner.topology.Topology`),
-and partitions the tables so that the slowest rank is as fast as the memory limits allow
-(:mod:`~embshard_dist.planner.partition`). It returns an embshard ``ShardingPlan``; the stats
-table of the last plan is ``planner.last_result.stats()`` (logged at INFO).
+It enumerates every option the sharders offer, estimates each one's memory and time per rank
+from a ``Topology``, and partitions the tables so the slowest rank is as fast as the memory
+limits allow. ``collective_plan`` plans on the first rank and broadcasts the result, errors
+included.
 
-``collective_plan(module, sharders, pg)`` plans on the group's first rank only and broadcasts
-the plan's JSON as a ``uint8`` tensor (a status and length first, so that a planning error on
-that rank is raised on every rank, with the same message, instead of leaving them waiting).
-
-Guarantees: the plan depends only on the tables, constraints, sharders, topology and options
-(deterministic, so every rank planning alone gets the same plan too); it never exceeds any
-rank's usable memory (capacity less ``reserve_fraction`` and the dense parameters); when nothing
-fits, :class:`~embshard_dist.planner.stats.PlannerError` (a ``ValueError``) says why and what to
-relax; bad constraints raise ``ValueError`` naming the table before anything is planned.
+Guarantees: deterministic; never exceeds a rank's usable memory; when nothing fits,
+``PlannerError`` says what to relax; bad constraints raise ``ValueError`` naming the table.
 """
 
 from __future__ import annotations
@@ -71,11 +61,8 @@ class PlannerResult:
     """A plan with its estimate and how it was found.
 
     Args:
-        plan: the sharding plan.
-        estimate: its estimated memory and time per rank and per table.
         method: the search steps that produced it.
         optimal: the exact search proved it the fastest of the enumerated options.
-        tables: the tables planned.
     """
 
     plan: ShardingPlan
@@ -102,18 +89,14 @@ class EmbeddingShardingPlanner(ShardingPlanner):
     """Plans the sharding of every table for the fastest slowest rank that fits in memory.
 
     Args:
-        topology: the machine (default: :func:`~embshard_dist.planner.topology.default_topology`
-            for ``world_size`` ranks on ``compute_device``).
-        world_size: ranks, when no topology is given (default: the initialised process
-            group's size, else 1).
-        compute_device: ``"cpu"`` or ``"cuda"``, when no topology is given.
+        topology: the machine (default: ``default_topology`` for ``world_size`` ranks on
+            ``compute_device``).
+        world_size: ranks, when no topology is given (default: the process group's size, else 1).
         constraints: per table name (or ``"path.table"``) constraints and traffic figures.
         batch_size: samples per rank per step, for tables whose constraints give none.
-        optimizer: the embedding optimizer (state sizes); default: the sharder's
-            ``optimizer`` when it has one, else RowWiseAdagrad.
+        optimizer: the embedding optimizer (default: the sharder's, else RowWiseAdagrad).
         reserve_fraction: share of each rank's memory kept free of tables, in ``[0, 1)``.
-        search: how hard to search (``"auto"``, ``"greedy"``, ``"beam"``, ``"exact"``).
-        pg: the process group of ``collective_plan`` (``None``: the default group).
+        search: ``"auto"``, ``"greedy"``, ``"beam"`` or ``"exact"``.
 
     Raises:
         ValueError: a bad batch size, reserve fraction or search mode.
@@ -158,17 +141,13 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         self._pg = pg
         self.last_result: PlannerResult | None = None
 
-    # -- planning ----------------------------------------------------------------------------
-
     def propose(self, tables: TableSource, sharders: Sequence[Any] | None = None) -> PlannerResult:
         """Plan ``tables`` and return the plan with its estimate (no communication).
 
         Args:
             tables: a model (its ``EmbeddingBagCollection`` modules) or a list of tables.
-            sharders: objects with ``sharding_types(device)`` and ``compute_kernels(type,
-                device)`` (``ModuleSharder``); in a model, a sharder with a ``module_type``
-                serves only modules of exactly that type; a table list is served by the first
-                sharder. Default: :func:`~embshard_dist.planner.enumerate.default_sharders`.
+            sharders: in a model, a sharder with a ``module_type`` serves only modules of exactly
+                that type; a table list is served by the first. Default: ``default_sharders()``.
 
         Raises:
             ValueError: bad constraints, a table with no allowed option, or
@@ -246,15 +225,7 @@ class EmbeddingShardingPlanner(ShardingPlanner):
     def plan(
         self, module: nn.Module | TableSource, sharders: Sequence[Any] | None = None
     ) -> ShardingPlan:
-        """Plan on this process alone (no communication).
-
-        Args:
-            module: the model, or a list of tables (see :meth:`propose`).
-            sharders: see :meth:`propose`.
-
-        Raises:
-            ValueError: see :meth:`propose`.
-        """
+        """Plan on this process alone (no communication; see :meth:`propose`)."""
         result = self.propose(module, sharders)
         self.last_result = result
         logger.info("%s", result.stats())
@@ -267,11 +238,6 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         pg: Any = None,
     ) -> ShardingPlan:
         """Plan on the group's first rank and broadcast the plan to every rank.
-
-        Args:
-            module: the model, or a list of tables (see :meth:`propose`).
-            sharders: see :meth:`propose`.
-            pg: the process group (default: the planner's, else the default group).
 
         Raises:
             ValueError: on every rank, when planning failed on the first rank (same message).

@@ -1,10 +1,8 @@
 """What a user may ask of the default planner: a sharding type per table, one for all, or "auto".
 
-Guarantees: type names are parsed case-insensitively from ``ShardingType`` values
-(``"row_wise"``), their short names (``dp``, ``tw``, ``rw``, ``cw``, ``twrw``, ``twcw``,
-``grid``) or ``"auto"``; a bad name or a malformed request raises ``ValueError`` saying what is
-wrong and what is accepted. Nothing here knows the model (table names are checked by the
-planner).
+Guarantees: type names, short names (``tw``, ``rw``...) and ``"auto"`` parse
+case-insensitively; a bad name or malformed request raises ``ValueError`` listing what is
+accepted. Table names are checked by the planner, not here.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ def parse_sharding_request(text: str) -> str | dict[str, str]:
             ``"t0=row_wise,t1=table_wise"`` (per table; ``auto`` allowed as a value).
 
     Returns:
-        The single type's name, or table name -> type name. Names are checked by the planner.
+        The single type's name, or table name -> type name.
 
     Raises:
         ValueError: an empty entry, a missing ``=`` in a per-table list, or a table named twice.
@@ -74,11 +72,6 @@ _SHORT_NAMES = {
 def parse_sharding_type(value: ShardingType | str, what: str = "") -> ShardingType | str:
     """A sharding type, or :data:`AUTO`, from its name or short name (``tw``, ``rw``...).
 
-    Args:
-        value: a ``ShardingType``, its value (``"row_wise"``), a short name (``dp``, ``tw``,
-            ``rw``, ``cw``, ``twrw``, ``twcw``, ``grid``) or ``"auto"``.
-        what: where the value came from, for the message.
-
     Raises:
         ValueError: an unknown name (the message lists the valid ones).
     """
@@ -98,7 +91,7 @@ def normalise_request(
     """The default type (table-wise unless one type is asked for all) and the per-table types.
 
     Raises:
-        ValueError / TypeError: a bad type name or a request of the wrong shape.
+        ValueError, TypeError: a bad type name or a request of the wrong shape.
     """
     if sharding is None:
         return ShardingType.TABLE_WISE, {}

@@ -1,16 +1,10 @@
 """Searches that improve on the greedy partition: a beam search and an exact branch-and-bound.
 
-* :func:`beam_search` keeps the ``width`` best partial partitions table by table (heaviest
-  table first), each extended with every option of the next table placed greedily; partial
-  partitions are ranked by a lower bound of their final step time: the larger of their slowest
-  rank and the mean rank time once the remaining tables' cheapest options are added.
-* :func:`exact_search` is a depth-first branch-and-bound over every option and every placement
-  of every unit (ranks with identical loads are tried once when ranks are interchangeable),
-  pruned with the same lower bound against the best partition found; given enough nodes it
-  proves the best partition of the enumerated options optimal.
+Both rank partial partitions by a lower bound of the final step time (the slowest rank so far,
+or the mean once the remaining tables' cheapest options are added).
 
-Guarantees: both are deterministic (fixed orders, ties broken by index, budgets counted in
-steps rather than seconds) and return only partitions that fit every rank's memory.
+Guarantees: deterministic (fixed orders, ties broken by index, budgets counted in steps rather
+than seconds); only partitions that fit every rank's memory are returned.
 """
 
 from __future__ import annotations
@@ -33,7 +27,6 @@ class SearchResult:
 
     Args:
         choices: the placed option of each table, in table order.
-        state: the loads it leaves.
         complete: for the exact search, whether it explored everything (the result is optimal).
     """
 
@@ -52,12 +45,7 @@ def _unwind(chain: Any, count: int) -> tuple[Placed, ...]:
 
 
 def beam_search(ctx: PartitionContext, width: int) -> SearchResult | None:
-    """Beam search of ``width`` partial partitions (``None`` if every beam runs out of memory).
-
-    Args:
-        ctx: options, capacities and latencies.
-        width: partial partitions kept after each table.
-    """
+    """Beam search of ``width`` partial partitions (``None`` if every beam runs out of memory)."""
     n = ctx.n
     beams: list[tuple[LoadState, Any]] = [(LoadState(n), None)]
     remaining = sum(ctx.min_total)
@@ -150,13 +138,12 @@ def exact_search(
     """Branch-and-bound for the partition with the smallest slowest-rank time.
 
     Args:
-        ctx: options, capacities and latencies.
         incumbent: the best partition known (its step time prunes the search).
         node_budget: placements to try at most; past it the search stops (not ``complete``).
 
     Returns:
-        The best partition found, ``incumbent`` when none beats it (``complete`` when the
-        search finished, which proves the result optimal), or ``None`` when there is neither.
+        The best partition found, ``incumbent`` when none beats it, or ``None`` when there is
+        neither; ``complete`` proves it optimal.
     """
     n = len(ctx.order)
     suffix = [0.0] * (n + 1)

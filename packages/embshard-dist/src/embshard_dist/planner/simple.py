@@ -1,37 +1,11 @@
-"""A rule-based sharding plan: table bytes balanced greedily across ranks.
+"""A rule-based sharding plan: table bytes (weights plus optimizer state) balanced across ranks.
 
-``SimplePlanner`` places every table of every shardable module of a model by fixed rules, with
-no cost model: it writes the plan a user asks for (one sharding type for all tables, or one per
-table) in a deterministic layout. (The default plan of ``DistributedModelParallel`` and
-``embshard train`` is the cost-based planner's: :mod:`embshard_dist.planner.auto`.) What it
-balances is the bytes each rank holds: a table's weights plus its optimizer state (one value per
-element for point-wise states such as Adam's, one per row for row-wise states such as
-RowWiseAdagrad's).
+``SimplePlanner`` writes the plan a user asks for (table-wise by default, one type for all, one
+per table, or ``"auto"``: data-parallel for small tables, row-wise for tables above a fair
+share, table-wise otherwise), placing the largest tables first on the least-loaded rank.
 
-How a table is split is table-wise unless asked otherwise, one sharding type for all tables, a
-type per table (``{"t1": "row_wise", ...}``; keys are table names, or ``"path.table"`` to pick
-one module's table; short names ``dp``, ``tw``, ``rw``, ``cw``, ``twrw``, ``twcw``, ``grid`` are
-accepted), or ``"auto"`` for this documented rule:
-
-* data-parallel for a small table (at most ``small_table_bytes``, 64 KiB by default): a replica
-  on every rank costs little and needs no all-to-all;
-* row-wise for a table bigger than a fair share of the model (its bytes times the world size
-  exceed the bytes of all tables): no single rank could hold it and stay balanced;
-* table-wise otherwise.
-
-"auto" only picks types the module's sharder supports on the device.
-
-Placement, largest table first (ties broken by module path, then table name): a table-wise
-table goes to the least-loaded rank (the lowest rank among equals); each column block of a
-column-wise table goes to the least-loaded rank not yet holding a block of that table; row-wise
-tables are cut over all ranks in order; data-parallel tables load every rank. Table-row-wise,
-table-column-wise and grid tables are placed on the least-loaded node (``local_world_size``
-ranks per node, one node by default).
-
-Guarantees: the plan depends only on the model's table shapes, the options and the world size,
-so every rank computes the same plan; shard specs come from
-:func:`embshard_dist.sharding.layout.shard_specs`; bad requests (unknown table, unknown or
-unsupported sharding type) raise ``ValueError`` naming the table before anything is placed.
+Guarantees: the plan depends only on table shapes, options and world size, so every rank
+computes the same one; bad requests raise ``ValueError`` naming the table.
 """
 
 from __future__ import annotations
@@ -44,8 +18,8 @@ from torch import nn
 
 from embshard_dist.planner.agreement import check_plan_agreement
 from embshard_dist.planner.requests import AUTO, ShardingRequest, normalise_request
-from embshard_dist.planner.shardable import TableShape, find_shardable_modules, table_shapes
-from embshard_dist.sharding.layout import column_wise_dims, row_wise_sizes, shard_specs
+from embshard_dist.sharded.shardable import TableShape, find_shardable_modules, table_shapes
+from embshard_dist.strategies.layout import column_wise_dims, row_wise_sizes, shard_specs
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.interfaces import ModuleSharder, ShardingPlanner
 from embshard_types.parameter_sharding import ParameterSharding
@@ -61,14 +35,7 @@ _STATE_BYTES = 4  # optimizer state is kept in fp32
 
 
 def shard_bytes(shape: TableShape, rows: int, cols: int, optimizer: OptimizerSpec | None) -> int:
-    """Bytes a shard of ``rows`` x ``cols`` of the table takes with its optimizer state.
-
-    Args:
-        shape: the table.
-        rows: rows of the shard.
-        cols: columns of the shard.
-        optimizer: the embedding optimizer (``None``: no optimizer state).
-    """
+    """Bytes a ``rows x cols`` shard of the table takes with its optimizer state, if any."""
     per_row = cols * shape.element_bytes
     if optimizer is not None:
         for name in optimizer.state_names():
@@ -89,11 +56,9 @@ class SimplePlanner(ShardingPlanner):
     """A rule-based planner (see the module docstring for the rules).
 
     Args:
-        world_size: the number of ranks to shard over.
         device_type: the compute device type (``cpu``, ``cuda``); shard placements name it.
-        sharding: what to do with each table: ``None`` (table-wise), one type or ``"auto"``
-            for all, or a mapping of table name (or ``"path.table"``) to a type or ``"auto"``.
-        optimizer: the embedding optimizer, whose state counts towards each table's bytes.
+        sharding: ``None`` (table-wise), one type or ``"auto"`` for all, or a mapping of table
+            name (or ``"path.table"``) to a type or ``"auto"``.
         local_world_size: ranks per node, for the node-aware types (default: ``world_size``).
         small_table_bytes: the largest table ``auto`` makes data-parallel.
         pg: the process group ``collective_plan`` checks agreement on (``None``: default).
@@ -135,14 +100,8 @@ class SimplePlanner(ShardingPlanner):
         self._pg = pg
         self._default, self._per_table = normalise_request(sharding)
 
-    # -- ShardingPlanner ---------------------------------------------------------------------
-
     def plan(self, module: nn.Module, sharders: Sequence[ModuleSharder[Any]]) -> ShardingPlan:
         """Plan every shardable sub-module of ``module`` (no communication).
-
-        Args:
-            module: the model (on any device, ``meta`` included).
-            sharders: one sharder per kind of shardable module.
 
         Raises:
             ValueError: a requested table does not exist, or a requested sharding type is
@@ -176,10 +135,7 @@ class SimplePlanner(ShardingPlanner):
     def collective_plan(
         self, module: nn.Module, sharders: Sequence[ModuleSharder[Any]]
     ) -> ShardingPlan:
-        """Plan on every rank and check, with one small all-gather, that all got the same plan.
-
-        The plan is deterministic, so this needs no broadcast; the check catches ranks that
-        were given different models or options.
+        """Plan on every rank and check with one all-gather that all got the same plan.
 
         Raises:
             ValueError: on every rank, when the ranks' plans differ (the message lists them).
@@ -187,8 +143,6 @@ class SimplePlanner(ShardingPlanner):
         plan = self.plan(module, sharders)
         check_plan_agreement(plan, self._pg)
         return plan
-
-    # -- choosing types ----------------------------------------------------------------------
 
     def _check_requested_tables(self, shapes: Mapping[str, list[TableShape]]) -> None:
         known = {s.name for ss in shapes.values() for s in ss}
@@ -235,8 +189,6 @@ class SimplePlanner(ShardingPlanner):
                 f"supported: {names}"
             )
         return requested
-
-    # -- placing -----------------------------------------------------------------------------
 
     def _place(self, table: _Table, loads: list[int]) -> ParameterSharding:
         shape, kind = table.shape, table.kind

@@ -1,24 +1,11 @@
 """Table spec files for ``embshard plan``: tables, their traffic and constraints, in JSON or YAML.
 
-Format (YAML has the same structure; it is read only when PyYAML is installed)::
+A spec gives ``module``, ``batch_size``, ``optimizer`` and ``tables``: each with ``name``,
+``rows``, ``dim``, optional ``pooling_factor``, ``features``, ``data_type``, ``pooling``,
+``weighted``, ``module`` and any ``ParameterConstraints`` field.
 
-    {
-      "module": "sparse_arch.ebc",          # module path of the tables (default "")
-      "batch_size": 512,                    # samples per rank per step (default 512)
-      "optimizer": "rowwise_adagrad",       # embedding optimizer name (default rowwise_adagrad)
-      "tables": [
-        {"name": "t0", "rows": 100000, "dim": 64,
-         "pooling_factor": 20,              # or "pooling_factors": [per feature]
-         "features": ["f0"],                # default [name]
-         "data_type": "fp32", "pooling": "sum", "weighted": false, "module": "...",
-         # any ParameterConstraints field: sharding_types, compute_kernels, min_partition,
-         # num_poolings, batch_sizes, cache_params, enforce_hbm, ranks, zipf_exponent, ...
-        }
-      ]
-    }
-
-Guarantees: unknown keys and bad values raise ``ValueError`` naming the file, the table and the
-key; a YAML file without PyYAML raises ``ValueError`` saying to install it or use JSON.
+Guarantees: unknown keys and bad values raise ``ValueError`` naming the file, table and key; a
+YAML file without PyYAML raises ``ValueError`` saying to install it or use JSON.
 """
 
 from __future__ import annotations
@@ -43,14 +30,7 @@ _PF_KEYS = ("pooling_factor", "pooling_factors")
 
 @dataclass(frozen=True)
 class TableSpec:
-    """The contents of a table spec file.
-
-    Args:
-        tables: the tables.
-        constraints: per qualified table name.
-        batch_size: samples per rank per step.
-        optimizer: the embedding optimizer.
-    """
+    """The contents of a table spec file (``constraints`` per qualified table name)."""
 
     tables: tuple[PlannerTable, ...]
     constraints: Mapping[str, ParameterConstraints]
@@ -91,10 +71,10 @@ def load_table_spec(path: str | os.PathLike[str]) -> TableSpec:
 
 
 def parse_table_spec(data: Any) -> TableSpec:
-    """Build a :class:`TableSpec` from the decoded file (see the module docstring).
+    """Build a :class:`TableSpec` from the decoded file.
 
     Raises:
-        ValueError / TypeError: a bad key or value, naming the table.
+        ValueError, TypeError: a bad key or value, naming the table.
     """
     if not isinstance(data, Mapping):
         raise ValueError(

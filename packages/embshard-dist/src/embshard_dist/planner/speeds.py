@@ -1,8 +1,8 @@
-"""What one compute kernel and one sharding type cost: the figures a :class:`~.topology.Topology`
-holds per kernel (:class:`KernelThroughput`) and per sharding type (:class:`ShardingOverhead`).
+"""What one compute kernel (:class:`KernelThroughput`) and one sharding type
+(:class:`ShardingOverhead`) cost, as a ``Topology`` holds them.
 
-Guarantees: both are frozen and validated at construction (``ValueError`` naming the field);
-``from_dict(x.to_dict()) == x``; ``from_dict`` refuses unknown fields, naming them.
+Guarantees: frozen and validated at construction (``ValueError`` naming the field);
+``from_dict(x.to_dict()) == x``; ``from_dict`` refuses unknown fields.
 """
 
 from __future__ import annotations
@@ -17,19 +17,16 @@ __all__ = ["KernelThroughput", "ShardingOverhead", "check_keys", "check_positive
 
 @dataclass(frozen=True)
 class KernelThroughput:
-    """How fast one compute kernel moves bytes.
+    """How fast one compute kernel moves bytes, per second.
 
     Args:
-        fwd_bytes_per_s: forward lookup: bytes of rows read plus pooled output written, per
-            second (with ``miss_bytes_per_s`` set: as fast as when the rows are in cache).
-        bwd_bytes_per_s: backward: twice the forward's bytes per second, as FBGEMM's own
-            benchmark counts it (with ``update_bytes_per_s`` unset, the optimizer state bytes
-            of the fused update count here too).
-        update_bytes_per_s: the fused update of the touched rows: per touched row, its weights
-            and gradient read and written plus its optimizer state, per second (``None``: the
-            update is counted in ``bwd_bytes_per_s``).
-        miss_bytes_per_s: the forward's first read of each distinct row a step touches, on top
-            of ``fwd_bytes_per_s`` (rows fetched from memory rather than cache; ``None``:
+        fwd_bytes_per_s: forward: rows read plus pooled output written (rows in cache when
+            ``miss_bytes_per_s`` is set).
+        bwd_bytes_per_s: backward: twice the forward's bytes, as FBGEMM's benchmark counts it
+            (including the fused update when ``update_bytes_per_s`` is unset).
+        update_bytes_per_s: the fused update: per touched row, weights and gradient read and
+            written plus optimizer state (``None``: counted in the backward).
+        miss_bytes_per_s: the extra first read of each distinct row a step touches (``None``:
             every read costs the same).
     """
 
@@ -70,12 +67,7 @@ _OPTIONAL_THROUGHPUTS = ("update_bytes_per_s", "miss_bytes_per_s")
 
 @dataclass(frozen=True)
 class ShardingOverhead:
-    """What using one sharding type costs every rank beyond what the bytes predict.
-
-    Measured by the calibration (see :mod:`embshard_dist.planner.calibrate_ranks`): the latency
-    of the type's collectives and its per-call work on tiny tables, and how much slower (or
-    faster) its lookups and updates run than the kernel throughputs predict (its code path:
-    per-table kernels, row reductions, row exchanges...).
+    """What using one sharding type costs every rank beyond what the bytes predict (calibrated).
 
     Args:
         step_s: seconds per step for using the type at all.

@@ -1,21 +1,10 @@
 """What the planner prints with a plan, and what it says when no plan fits.
 
-:func:`format_stats` renders a :class:`~embshard_dist.planner.estimate.PlanEstimate` as text:
+:func:`format_stats` renders a ``PlanEstimate`` per rank, per table, with the imbalance and the
+critical path; :func:`no_fit_error` builds the :class:`PlannerError` naming what does not fit
+and which constraint to relax.
 
-* per rank: memory used / usable (capacity), estimated compute, comms and total ms per step;
-* per table: sharding type, kernel, ranks, number of shards, memory over all ranks, its time
-  on its busiest rank;
-* the imbalance between ranks (slowest / mean time, largest / mean memory);
-* the critical path: the slowest rank, its time split into compute, comms and collective
-  latency, and the tables that cost it most.
-
-:func:`no_fit_error` builds the :class:`PlannerError` raised when nothing fits: it names the
-tables that fit no rank even in their most spread-out allowed option (with the memory they need
-and what a rank has), or the total the tables need against the total available, or the table
-that could not be placed and the memory left on each rank; and it says which constraint to
-relax.
-
-Guarantees: pure formatting (no I/O, no logging); deterministic text for the same input.
+Guarantees: pure, deterministic formatting (no I/O, no logging).
 """
 
 from __future__ import annotations
@@ -55,10 +44,9 @@ def _ranks(ranks: Sequence[int] | None) -> str:
 
 
 def format_stats(estimate: PlanEstimate, *, title: str = "", top: int = 5) -> str:
-    """The stats table of a plan (see the module docstring).
+    """The stats table of a plan.
 
     Args:
-        estimate: the plan's estimate.
         title: a first line (e.g. how the plan was found).
         top: how many tables the critical path lists.
     """
@@ -147,15 +135,11 @@ def no_fit_error(
     reserve_fraction: float,
     dense_bytes: int,
 ) -> PlannerError:
-    """The error for a partition that failed at ``table_index`` (see the module docstring).
+    """The error for a partition that failed at ``table_index``.
 
     Args:
-        options: the options of every table.
-        table_index: the table the partitioner could not place.
-        state: the loads when it failed.
         usable: device bytes per rank for tables.
         capacity: device bytes per rank.
-        reserve_fraction: the share of memory kept free.
         dense_bytes: bytes of the dense parameters on every rank.
     """
     n = len(state.mem)

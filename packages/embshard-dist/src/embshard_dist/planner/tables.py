@@ -1,15 +1,8 @@
 """The tables a planner places: found in a model, or given as a list of table configs.
 
-A :class:`PlannerTable` is what the planner knows of one table: the path of the module that
-holds it, its name, shape, storage type, pooling (``none`` for a sequence table, whose every id
-is an output row), features and whether its inputs carry weights. :func:`find_tables` builds
-them from a model (every ``embshard_kernels.collections.EmbeddingBagCollection`` and
-``EmbeddingCollection`` in ``named_modules()`` order, by path; modules inside a found one are
-skipped) or from a list of configs.
-
 Guarantees: the order of the tables is deterministic (module order, then config order); two
-tables with the same ``(path, name)`` raise ``ValueError`` naming them; :func:`qualified_name`
-is how every planner message names a table (``"path.table"``, or ``"table"`` at the root).
+tables with the same ``(path, name)`` raise ``ValueError``; :func:`qualified_name` is how every
+planner message names a table.
 """
 
 from __future__ import annotations
@@ -43,14 +36,9 @@ class PlannerTable:
     """One table to place.
 
     Args:
-        name: the table's name in its module.
-        rows: number of rows.
-        dim: embedding dimension.
         path: the path of the module holding it (``""``: the root).
         features: the features that read it (default: the table's name).
-        data_type: storage type of the weights.
         pooling: how bags are pooled (``none``: a sequence table, one output row per id).
-        is_weighted: whether its inputs carry per-id weights.
     """
 
     name: str
@@ -102,13 +90,7 @@ class PlannerTable:
     def from_config(
         cls, config: BaseEmbeddingConfig, path: str = "", *, is_weighted: bool = False
     ) -> PlannerTable:
-        """The planner's view of a table config.
-
-        Args:
-            config: an ``EmbeddingBagConfig`` (or ``EmbeddingConfig``).
-            path: the module path holding the table.
-            is_weighted: whether its inputs carry weights.
-        """
+        """The planner's view of an ``EmbeddingBagConfig`` (or ``EmbeddingConfig``)."""
         return cls(
             name=config.name,
             rows=config.num_embeddings,
@@ -146,10 +128,7 @@ def _is_weighted(module: nn.Module) -> bool:
 
 
 def find_collections(model: nn.Module) -> dict[str, nn.Module]:
-    """Module path -> every embedding collection of ``model`` (not nested in another one).
-
-    Collections are embshard's ``EmbeddingBagCollection`` and ``EmbeddingCollection``.
-    """
+    """Module path -> every embedding collection of ``model`` (not nested in another one)."""
     kinds = _collection_types()
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
@@ -164,8 +143,7 @@ def find_tables(source: TableSource) -> list[PlannerTable]:
     """The tables of a model or of a list of configs.
 
     Args:
-        source: a model (walked for ``EmbeddingBagCollection`` and ``EmbeddingCollection``
-            instances), or a list of ``PlannerTable``, table configs (module path ``""``) or
+        source: a model, or a list of ``PlannerTable``, table configs (module path ``""``) or
             ``(path, config)`` pairs.
 
     Raises:
@@ -214,9 +192,6 @@ def _as_table(entry: Any, index: int) -> PlannerTable:
 
 
 def dense_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters outside the model's embedding collections (the dense part).
-
-    Meta-device parameters count by their shape. Every rank holds these (data-parallel).
-    """
+    """Bytes of the parameters outside the embedding collections, held by every rank."""
     inside = {id(p) for m in find_collections(model).values() for p in m.parameters()}
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)

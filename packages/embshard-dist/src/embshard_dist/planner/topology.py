@@ -1,26 +1,11 @@
 """The machine a plan is made for: ranks, memory per rank, and the speeds that decide step time.
 
-A :class:`Topology` holds what the planner's estimators read: the world size and ranks per node,
-the compute device, the memory each rank may use (device memory; on CUDA also host memory for
-UVM tables), the memory bandwidth, the per-rank bandwidths of collectives within and across
-nodes, the fixed latency of one collective, the throughput of each compute kernel's lookup
-forward, backward and fused update (:class:`KernelThroughput`), and what each sharding type
-costs per step and per table beyond the bytes it moves (:class:`ShardingOverhead`: latency of
-its collectives and per-call work, measured by the calibration).
+Speeds come from a topology file written by ``embshard calibrate``, else from the fallbacks
+of :func:`default_topology`; ``source`` records which. Bandwidths are bytes per second and
+count sent plus received bytes; memory is bytes per rank.
 
-Where the numbers come from, best first: a topology file written by ``embshard calibrate``
-(measured on the machine at hand, see :mod:`embshard_dist.planner.calibrate`), then the
-hard-coded fallbacks of :func:`default_topology` (measured once on a 2-core CPU host, or typical
-figures of a current GPU). ``source`` records which.
-
-Conventions: bandwidths are bytes per second; a collective's bandwidth counts the bytes a rank
-sends plus the bytes it receives (so an exchange moving ``s`` bytes out and ``s`` bytes in at
-bandwidth ``bw`` takes ``2 s / bw``); memory is bytes per rank.
-
-Guarantees: a topology is frozen and validated at construction (``ValueError`` naming the field
-otherwise); ``Topology.from_dict(t.to_dict()) == t`` and ``Topology.load(path)`` reads what
-``save`` wrote; reading a file whose format ``version`` is newer than this code raises
-``ValueError`` asking for an upgrade.
+Guarantees: a topology is frozen and validated at construction (``ValueError`` naming the
+field); ``from_dict(to_dict())`` and ``load(save())`` round-trip; a newer file format raises.
 """
 
 from __future__ import annotations
@@ -67,8 +52,7 @@ _F = TypeVar("_F", KernelThroughput, ShardingOverhead)
 def _figures(
     data: Any, field_name: str, key_of: Callable[[Any], str], kind: type[_F], what: str
 ) -> MappingProxyType[str, _F]:
-    """A mapping of figures checked and frozen: keys normalised by ``key_of``, values of
-    ``kind`` or dicts read by ``kind.from_dict`` (``what``: how an entry is named in errors)."""
+    """A frozen mapping of checked figures, keys normalised by ``key_of``, values of ``kind``."""
     if not isinstance(data, Mapping):
         raise TypeError(f"Topology.{field_name} must be a mapping, got {data!r}")
     out: dict[str, _F] = {}
@@ -101,26 +85,17 @@ class Topology:
     """Ranks, memory and speeds of the machine(s) a plan is made for.
 
     Args:
-        world_size: number of ranks.
         compute_device: ``"cpu"`` or ``"cuda"``.
         local_world_size: ranks per node (default: ``world_size``, one node); must divide
             ``world_size``.
-        memory_per_rank: bytes of compute-device memory each rank may use (on the CPU, its
-            share of the host's memory).
-        host_memory_per_rank: on CUDA, bytes of host memory per rank for UVM tables (ignored
-            on the CPU, where everything is host memory).
-        memory_bw: memory bandwidth of one rank (read + write), bytes/s.
-        intra_node_bw: collective bandwidth between ranks of one node (sent + received bytes
-            per second per rank).
-        inter_node_bw: the same across nodes.
-        reduce_scatter_bw: bandwidth of the reduce-scatter / all-gather within a node, when it
-            differs from ``intra_node_bw`` (measured separately by the calibration).
-        collective_latency_s: fixed cost of one collective call.
-        kernels: throughput per compute kernel value (``"fused"``, ``"dense"``...) and for
-            :data:`SPARSE_UPDATE`; a kernel missing here falls back to ``"fused"``.
-        sharding_overheads: per sharding type value, what using it costs beyond its bytes
-            (measured by the calibration); a type missing here costs
-            ``collective_latency_s`` per collective it issues.
+        memory_per_rank: bytes of compute-device memory each rank may use.
+        host_memory_per_rank: on CUDA, bytes of host memory per rank for UVM tables.
+        reduce_scatter_bw: bandwidth of reduce-scatter / all-gather within a node, when it differs
+            from ``intra_node_bw``.
+        kernels: throughput per compute kernel value and for :data:`SPARSE_UPDATE`; a missing
+            kernel falls back to ``"fused"``.
+        sharding_overheads: calibrated cost per sharding type value beyond its bytes; a missing
+            type costs ``collective_latency_s`` per collective it issues.
         source: where the numbers come from (``"defaults"``, or the calibration's host/date).
     """
 
@@ -191,12 +166,10 @@ class Topology:
         if not isinstance(self.source, str):
             raise TypeError(f"Topology.source must be a str, got {self.source!r}")
 
-    # -- derived ---------------------------------------------------------------------------
-
     @property
     def ranks_per_node(self) -> int:
         """Ranks per node (``local_world_size`` resolved)."""
-        assert self.local_world_size is not None  # resolved at construction
+        assert self.local_world_size is not None
         return self.local_world_size
 
     @property
@@ -226,15 +199,8 @@ class Topology:
         return self.sharding_overheads.get(ShardingType.parse(sharding_type).value)
 
     def with_world(self, world_size: int, local_world_size: int | None = None) -> Topology:
-        """The same machine speeds for another number of ranks.
-
-        Args:
-            world_size: the new number of ranks.
-            local_world_size: ranks per node (default: ``world_size``, one node).
-        """
+        """The same machine speeds for another number of ranks."""
         return replace(self, world_size=world_size, local_world_size=local_world_size)
-
-    # -- serialisation ---------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with a format ``"version"``."""
@@ -285,12 +251,7 @@ class Topology:
         world_size: int | None = None,
         local_world_size: int | None = None,
     ) -> Topology:
-        """Read a topology file, optionally for another number of ranks.
-
-        Args:
-            path: the JSON file (``Topology.save`` / ``embshard calibrate``).
-            world_size: override the file's world size (the machine's speeds stay).
-            local_world_size: ranks per node with ``world_size`` (default: one node).
+        """Read a topology file, optionally for another number of ranks (the speeds stay).
 
         Raises:
             ValueError: the file is not valid JSON or not a topology (the message names it).
@@ -309,8 +270,7 @@ class Topology:
 
 
 _CPU_KERNELS: dict[str, KernelThroughput] = {
-    # Generic CPU figures (K1, shared/benchmarks.md): FBGEMM's CPU TBE forward at ~45% of the
-    # ~11 GB/s copy bandwidth, backward + fused update at ~16%.
+    # Generic CPU figures: FBGEMM's CPU TBE forward and backward against copy bandwidth.
     ComputeKernel.FUSED.value: KernelThroughput(5.0e9, 1.8e9),
     ComputeKernel.DENSE.value: KernelThroughput(5.0e9, 1.2e9),
     ComputeKernel.QUANT.value: KernelThroughput(4.0e9, 1.0e9),
@@ -319,8 +279,7 @@ _CPU_KERNELS: dict[str, KernelThroughput] = {
 
 _REFERENCE_CPU_KERNELS: dict[str, KernelThroughput] = {
     **_CPU_KERNELS,
-    # `embshard calibrate` on the 2-core reference host, 2 gloo ranks of 1 thread, other jobs
-    # running (load 3-4; medians of 5 calibrations): embshard's fast pooled path.
+    # `embshard calibrate` on the reference CPU host: embshard's fast pooled path.
     ComputeKernel.FUSED.value: KernelThroughput(14.4e9, 11.1e9, 5.5e9, 5.4e9),
     SPARSE_UPDATE: KernelThroughput(1.5e9, 2.0e9),
 }
@@ -337,7 +296,7 @@ _REFERENCE_CPU_OVERHEADS: dict[str, ShardingOverhead] = {
 }
 
 _CUDA_KERNELS: dict[str, KernelThroughput] = {
-    # Typical figures of a current datacentre GPU (HBM ~3 TB/s); calibrate to replace them.
+    # Typical figures of a current datacentre GPU; calibrate to replace them.
     ComputeKernel.FUSED.value: KernelThroughput(1.2e12, 5.0e11),
     ComputeKernel.DENSE.value: KernelThroughput(1.2e12, 3.0e11),
     ComputeKernel.FUSED_UVM.value: KernelThroughput(2.5e10, 1.2e10),
@@ -364,17 +323,9 @@ def default_topology(
 ) -> Topology:
     """The fallback topology when no calibration file is given.
 
-    On the CPU every rank of a node shares the host's memory (read from the OS) and the speeds
-    are those ``embshard calibrate`` measured on the 2-core reference host while other jobs ran
-    (calibrate on the machine at hand for figures of its own). On CUDA the device memory is read from
-    the first GPU when one is visible (80 GiB otherwise), host memory is shared as on the CPU,
-    and the speeds are typical of a current GPU with NVLink within a node.
-
-    Args:
-        world_size: number of ranks.
-        compute_device: ``"cpu"`` or ``"cuda"``.
-        local_world_size: ranks per node (default: ``world_size``).
-        memory_per_rank: override the memory each rank may use.
+    On the CPU the ranks of a node share the host's memory and the speeds are a reference CPU
+    host's; on CUDA the memory is the first visible GPU's and the speeds are typical of a
+    current GPU with NVLink within a node. Calibrate for the machine at hand's own figures.
     """
     local = world_size if local_world_size is None else local_world_size
     host_share = _host_memory_bytes() // max(1, local if isinstance(local, int) else 1)

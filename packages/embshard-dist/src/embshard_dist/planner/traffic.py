@@ -1,19 +1,11 @@
 """How many distinct rows a step touches: uniform ids, or ids with hot rows (a Zipf law).
 
-The fused update, a data-parallel table's row exchange and the update of its replicas all cost
-per distinct row touched, not per id. With ``n`` ids drawn over ``R`` rows:
+Updates and row exchanges cost per distinct row, not per id. The Zipf sum is exact over the
+hottest rows and integrated on a log grid over the rest, so its cost does not grow with the
+table; a row block gets its share of the table's distinct rows (hot rows are spread by hashing).
 
-* uniform ids touch ``R * (1 - exp(-n / R))`` rows;
-* ids whose ``k``-th most frequent row has probability ``k**-s / H(R, s)`` (a Zipf law of
-  exponent ``s``, as real traffic has) touch ``sum_k 1 - exp(-n * p_k)`` rows, far fewer.
-
-For the Zipf law the sum is exact over the 4,096 hottest rows and integrated over the rest on a
-logarithmic grid (the terms vary slowly there), so a table of a billion rows costs the same as
-one of a thousand. A block of ``r`` of the ``R`` rows (a row-wise shard) touches ``r / R`` of
-the table's distinct rows: hot rows are spread over the table by hashing.
-
-Guarantees: pure, deterministic and cached; the result is in ``[0, min(n, R)]`` up to float
-rounding and grows with ``n``; ``s = 0`` (or ``None``) is the uniform case.
+Guarantees: pure, deterministic and cached; the result is in ``[0, min(n, R)]`` up to rounding
+and grows with ``n``; exponent 0 or ``None`` is the uniform case.
 """
 
 from __future__ import annotations
@@ -29,11 +21,9 @@ _GRID = 256
 
 
 def distinct_rows(rows: float, draws: float, zipf_exponent: float | None = None) -> float:
-    """Expected distinct rows among ``draws`` ids over ``rows`` rows (see the module docstring).
+    """Expected distinct rows among ``draws`` ids over ``rows`` rows (of a table or a block).
 
     Args:
-        rows: rows of the table (or of the block the ids fall into).
-        draws: ids drawn.
         zipf_exponent: the Zipf exponent of the ids (``None`` or 0: uniform ids).
     """
     if rows <= 0 or draws <= 0:

@@ -1,1 +1,1 @@
-"""Sharded modules: the model-parallel forms of embshard's collections (import modules by path)."""
+"""Sharded embedding collections and the sharder and plan checks that build them."""

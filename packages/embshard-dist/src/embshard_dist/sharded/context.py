@@ -1,9 +1,7 @@
-"""The per-step context of a sharded embedding-bag collection, and the awaitables of its flow.
+"""The per-step context of a sharded embedding-bag collection and the awaitables of its flow.
 
-Guarantees: :class:`FeaturesAwaitable` waits for every strategy's features in strategy order
-(each strategy's collectives were already started in that order on every rank);
-:class:`KeyedTensorAwaitable` waits for every output dist, concatenates the columns and puts
-them in the caller's key order with one ``index_select`` (skipped when already in order).
+Features are waited for in strategy order (the order every rank started them); the outputs are
+assembled in the caller's key order.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import torch
 from torch import Tensor
 
 from embshard_dist.comm.columns import ColumnAssembly
-from embshard_dist.sharding.base import ShardingStepContext
+from embshard_dist.strategies.base import ShardingStepContext
 from embshard_types.awaitables import Awaitable, LazyAwaitable, LazyGetItemMixin
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
@@ -34,11 +32,7 @@ class EmbeddingBagCollectionContext:
 
 
 class FeaturesAwaitable(Awaitable[Awaitable[list[KeyedJaggedTensor]]]):
-    """Every strategy's two-phase feature all-to-all, waited for together.
-
-    Args:
-        started: per strategy, its input dist's awaitable.
-    """
+    """Every strategy's two-phase feature all-to-all, waited for together."""
 
     def __init__(self, started: Sequence[Awaitable[Awaitable[KeyedJaggedTensor]]]) -> None:
         super().__init__()
@@ -58,14 +52,7 @@ class _TensorsAwaitable(Awaitable[list[KeyedJaggedTensor]]):
 
 
 class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTensor]):
-    """The pooled embeddings of every feature, in the caller's key order.
-
-    Args:
-        pending: per strategy, its output dist's awaitable ``[batch, its dims]``.
-        keys: the output keys (the collection's features, in config order).
-        dims: their widths.
-        assembly: puts the strategies' outputs side by side in the caller's column order.
-    """
+    """The pooled embeddings of every feature, in the caller's key order."""
 
     def __init__(
         self,

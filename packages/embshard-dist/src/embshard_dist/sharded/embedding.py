@@ -1,35 +1,8 @@
 """ShardedEmbeddingCollection: an EmbeddingCollection whose sequence tables are spread over ranks.
 
-Each table is sharded as its plan entry says; tables of one sharding type are served by one
-sequence strategy (:mod:`embshard_dist.sharding.dp_seq`, ``tw_seq``, ``rw_seq``, ``cw_seq``).
-A step is::
-
-    forward(kjt)                       # the caller's local batch
-      input_dist(ctx, kjt)             # every strategy starts routing its features
-      compute(ctx, features)           # every strategy looks up the rows of its ids
-      output_dist(ctx, rows)           # every strategy sends the rows back (sequence all-to-all)
-      -> LazyAwaitable[dict[str, JaggedTensor]]   # one per feature, in config order
-
-Each output JaggedTensor holds one ``[dim]`` row per id of the caller's feature, with the
-caller's lengths. Batch sizes may vary per feature (each feature its own number of samples,
-on every rank alike). The loss of every rank must depend on the outputs (even empty ones), so
-that every rank takes part in the backward collectives.
-
-The math follows one rule (see :mod:`embshard_dist.sharding.base`): with N ranks and local losses
-``L_i``, a step leaves weights and optimizer state equal to the unsharded module's stepped on the
-global batch with loss ``(1/N) * sum_i L_i``. The forward moves rows without arithmetic, so it
-equals the unsharded collection's bit for bit.
-
-State: ``state_dict()`` holds ``embeddings.{table}.weight`` for every table on every rank: a
-``ShardedTensor`` (``DTensor`` when the environment asks for DTensors) over the local shard for
-table-, row- and column-wise tables, the plain tensor for data-parallel ones;
-``load_state_dict`` copies into the local shards (see :mod:`.state`). ``named_parameters()``
-yields the local shards. ``fused_optimizer`` combines the kernels' fused optimizers
-(parameters ``embeddings.{table}.weight``, state ``{table}.momentum1``...).
-
-Initial weights: copied from the unsharded module when it is materialised; drawn
-deterministically per table otherwise (see :mod:`.init`). Guarantees: the plan is checked
-before anything is built or any rank is contacted (:mod:`embshard_dist.sharders.plan_checks`).
+A step on N ranks equals the unsharded module's on the global batch with loss (1/N) sum_i L_i;
+the forward is bit-exact. The plan is checked before anything is built or any rank contacted;
+``state_dict()`` holds ``embeddings.{table}.weight`` on every rank (sharded, or plain for DP).
 """
 
 from __future__ import annotations
@@ -41,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from embshard_dist.sharded._common import (
+from embshard_dist.sharded.common import (
     TableStates,
     build_strategies,
     build_tables,
@@ -52,19 +25,18 @@ from embshard_dist.sharded._common import (
     state_format,
 )
 from embshard_dist.sharded.context import FeaturesAwaitable
-from embshard_dist.sharded.embedding_bag import supported_kernels
-from embshard_dist.sharders.plan_checks import check_plan
-from embshard_dist.sharding._lookup import GroupedBagLookup
-from embshard_dist.sharding.base import ShardingOptions
-from embshard_dist.sharding.cw_seq import CwSequenceSharding
-from embshard_dist.sharding.dp_seq import DpSequenceSharding
-from embshard_dist.sharding.rw_seq import RwSequenceSharding
-from embshard_dist.sharding.sequence import (
+from embshard_dist.sharded.sharder import CollectionKind, CollectionSharder
+from embshard_dist.strategies.cw import CwSequenceSharding
+from embshard_dist.strategies.dp import DpSequenceSharding
+from embshard_dist.strategies.lookup import GroupedBagLookup
+from embshard_dist.strategies.options import ShardingOptions
+from embshard_dist.strategies.rw import RwSequenceSharding
+from embshard_dist.strategies.sequence import (
     EmbeddingSequenceSharding,
     SequenceStepContext,
     lookup_input,
 )
-from embshard_dist.sharding.tw_seq import TwSequenceSharding
+from embshard_dist.strategies.tw import TwSequenceSharding
 from embshard_kernels.collections import EmbeddingCollection
 from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.slices import TableWeight
@@ -96,17 +68,11 @@ SEQUENCE_STRATEGIES: dict[ShardingType, type] = {
     ShardingType.ROW_WISE: RwSequenceSharding,
     ShardingType.COLUMN_WISE: CwSequenceSharding,
 }
-"""The strategy class serving each supported sharding type of sequence tables."""
 
 
 @dataclass
 class EmbeddingCollectionContext:
-    """What one step carries from input dist to output dist.
-
-    Attributes:
-        sharding_contexts: one context per strategy.
-        features: the caller's batch (the outputs take its lengths).
-    """
+    """What one step carries from input dist to output dist: per-strategy contexts and the batch."""
 
     sharding_contexts: list[SequenceStepContext] = field(default_factory=list)
     features: KeyedJaggedTensor | None = None
@@ -122,13 +88,7 @@ class EmbeddingCollectionContext:
 class JaggedTensorsAwaitable(
     LazyGetItemMixin[str, JaggedTensor], LazyAwaitable[dict[str, JaggedTensor]]
 ):
-    """Every feature's rows as a JaggedTensor with the caller's lengths, in the given order.
-
-    Args:
-        pending: per strategy, its output dist's awaitable ``{feature: rows}``.
-        keys: the output features, in order.
-        features: the caller's batch.
-    """
+    """Every feature's rows as a JaggedTensor with the caller's lengths, in the given order."""
 
     def __init__(
         self,
@@ -154,24 +114,15 @@ class ShardedEmbeddingCollection(
         list[KeyedJaggedTensor], list[Tensor], dict[str, JaggedTensor], EmbeddingCollectionContext
     ]
 ):
-    """An EmbeddingCollection sharded over the ranks of ``env`` (see the module docstring).
+    """An EmbeddingCollection sharded over the ranks of ``env``.
 
     Args:
-        module: the unsharded collection (materialised: weights are copied; on ``meta``: they
-            are drawn deterministically).
-        plan: how each of its tables is sharded.
-        env: the ranks to shard over (its process group carries the collectives).
-        device: this rank's compute device.
-        optimizer: the fused optimizer; default: that of ``fused_params`` if given, else the
-            one ``module`` was built with, else FBGEMM's default (SGD, lr 0.01).
-        fused_params: fused-kernel options (output dtype, bounds check, cache).
-        qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value (the sequence
-            all-to-all reads ``sequence_embeddings_all_to_all``).
-        path: the module's path in the model, for messages.
+        module: the unsharded collection (on ``meta``, weights are drawn deterministically).
+        optimizer: the fused optimizer; default: that of ``fused_params``, else the module's.
 
     Raises:
-        ValueError / TypeError: the plan does not fit the module, world or device (every rank
-            raises the same error before any collective).
+        ValueError / TypeError: the plan does not fit the module, world or device (on every
+            rank, before any collective).
     """
 
     def __init__(
@@ -189,22 +140,12 @@ class ShardedEmbeddingCollection(
         super().__init__(qcomm_codecs_registry)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         configs = module.embedding_configs()
-        check_plan(
-            configs,
-            plan,
-            env.world_size,
-            dev.type,
-            path=path,
-            sharding_types=list(SEQUENCE_STRATEGIES),
-            compute_kernels=lambda kind: supported_kernels(kind, dev.type),
-            module_kind="EmbeddingCollection",
-        )
         self._env = env
         self._device = dev
         self._plan = plan
         self._configs = configs
         self._format = state_format(env)
-        # A 2-D environment shards within its sharding group (its process_group is global).
+        # A 2-D environment's process_group is global; shard within its sharding group.
         self._pg = sharding_group(env)
         options = ShardingOptions(
             device=dev,
@@ -220,8 +161,7 @@ class ShardedEmbeddingCollection(
         self._shardings: list[EmbeddingSequenceSharding] = build_strategies(
             self._tables, SEQUENCE_STRATEGIES, options
         )
-        # The three stages of the flow, one module per strategy, kept out of the module tree:
-        # the local weights are registered once, under ``embeddings``.
+        # Kept out of the module tree: the local weights are registered once, under _ATTR.
         self._input_dists = [s.create_input_dist() for s in self._shardings]
         self._lookups: list[GroupedBagLookup] = [s.create_lookup() for s in self._shardings]
         self._output_dists = [s.create_output_dist() for s in self._shardings]
@@ -239,8 +179,6 @@ class ShardedEmbeddingCollection(
         self._states = TableStates(_ATTR, self._tables, local, self._format, self._pg, dev.type)
         self._states.register(self)
 
-    # -- the flow ---------------------------------------------------------------------------
-
     def create_context(self) -> EmbeddingCollectionContext:
         return EmbeddingCollectionContext([SequenceStepContext() for _ in self._shardings])
 
@@ -249,14 +187,9 @@ class ShardedEmbeddingCollection(
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
         """Start routing every strategy's features (in strategy order, on every rank).
 
-        Args:
-            ctx: the step's context.
-            *input: the caller's ``KeyedJaggedTensor`` (local batch; extra features ignored,
-                weights ignored; batch sizes may vary per feature).
-
         Raises:
             TypeError: the input is not a KeyedJaggedTensor.
-            ValueError: a feature is missing (named with its table), before any collective.
+            ValueError: a feature is missing, before any collective.
         """
         (features,) = input
         if not isinstance(features, KeyedJaggedTensor):
@@ -275,7 +208,6 @@ class ShardedEmbeddingCollection(
     def compute(
         self, ctx: EmbeddingCollectionContext, dist_input: list[KeyedJaggedTensor]
     ) -> list[Tensor]:
-        """Every strategy's lookup: the rows of its ids, flattened."""
         rows = []
         for lookup, kjt, sctx in zip(self._lookups, dist_input, ctx.sharding_contexts, strict=True):
             sctx.lookup_input = kjt
@@ -285,7 +217,6 @@ class ShardedEmbeddingCollection(
     def output_dist(
         self, ctx: EmbeddingCollectionContext, output: list[Tensor]
     ) -> LazyAwaitable[dict[str, JaggedTensor]]:
-        """Start every strategy's output dist; the result waits for them on first use."""
         pending = [
             dist(rows, sctx)
             for dist, rows, sctx in zip(
@@ -295,15 +226,12 @@ class ShardedEmbeddingCollection(
         assert ctx.features is not None
         return JaggedTensorsAwaitable(pending, self._keys, ctx.features)
 
-    # -- introspection ----------------------------------------------------------------------
-
     @property
     def unsharded_module_type(self) -> type[nn.Module]:
         return EmbeddingCollection
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
-        """The fused optimizers of every local kernel, as one keyed optimizer."""
         return self._fused_optim
 
     @property
@@ -312,14 +240,22 @@ class ShardedEmbeddingCollection(
 
     @property
     def shardings(self) -> list[EmbeddingSequenceSharding]:
-        """The strategies, in the order their collectives run."""
         return list(self._shardings)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
-        """The unsharded collection's table configs."""
         return list(self._configs)
-
-    # -- state ------------------------------------------------------------------------------
 
     def _table_entry(self, name: str) -> Tensor:
         return self._states.entry(name)
+
+
+class EmbeddingCollectionSharder(CollectionSharder[EmbeddingCollection]):
+    """Shards ``EmbeddingCollection`` modules: data-parallel, table-, row- and column-wise."""
+
+    kind = CollectionKind(
+        module_type=EmbeddingCollection,
+        weights_attr=_ATTR,
+        strategies=SEQUENCE_STRATEGIES,
+        sharded_type=ShardedEmbeddingCollection,
+        configs=EmbeddingCollection.embedding_configs,
+    )

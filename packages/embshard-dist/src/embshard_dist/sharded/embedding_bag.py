@@ -1,31 +1,8 @@
 """ShardedEmbeddingBagCollection: an EmbeddingBagCollection whose tables are spread over ranks.
 
-Each table is sharded as its plan entry says; tables of one sharding type are served by one
-strategy of :mod:`embshard_dist.sharding` (``dp``, ``tw``, ``rw``, ``cw``, and the node-aware
-``twrw``, ``twcw``, ``grid``, whose nodes are ``local_world_size`` consecutive ranks, see
-:mod:`embshard_dist.sharding.nodes`). A step is::
-
-    forward(kjt)                       # the caller's local batch
-      input_dist(ctx, kjt)             # every strategy starts routing its features
-      compute(ctx, features)           # every strategy looks up its local shards
-      output_dist(ctx, pooled)         # every strategy sends pooled rows back
-      -> LazyAwaitable[KeyedTensor]    # keys: the collection's features, in config order
-
-The math follows one rule (see :mod:`embshard_dist.sharding.base`): with N ranks and local losses
-``L_i``, a step leaves weights and optimizer state equal to the unsharded module's stepped on the
-global batch with loss ``(1/N) * sum_i L_i``.
-
-State: ``state_dict()`` holds ``embedding_bags.{table}.weight`` for every table on every rank:
-a ``ShardedTensor`` (``DTensor`` when the environment asks for DTensors) over the local shard
-for table-, row- and column-wise tables, the plain tensor for data-parallel ones;
-``load_state_dict`` copies into the local shards (see :mod:`.state`). ``named_parameters()``
-yields the local shards (``embedding_bags.{table}.weight``, live views of the kernels'
-weights). ``fused_optimizer`` combines the kernels' fused optimizers: parameters
-``embedding_bags.{table}.weight``, state ``{table}.momentum1``... exposed like the weights.
-
-Initial weights: copied from the unsharded module when it is materialised; drawn
-deterministically per table otherwise (see :mod:`.init`). Guarantees: the plan is checked
-before anything is built or any rank is contacted (:mod:`embshard_dist.sharders.plan_checks`).
+A step on N ranks equals the unsharded module's on the global batch with loss (1/N) sum_i L_i.
+The plan is checked before anything is built or any rank contacted; ``state_dict()`` holds
+``embedding_bags.{table}.weight`` on every rank (sharded, or plain for DP).
 """
 
 from __future__ import annotations
@@ -37,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from embshard_dist.comm.columns import ColumnAssembly
-from embshard_dist.sharded._common import (
+from embshard_dist.sharded.common import (
     TableStates,
     build_strategies,
     build_tables,
@@ -52,23 +29,20 @@ from embshard_dist.sharded.context import (
     FeaturesAwaitable,
     KeyedTensorAwaitable,
 )
-from embshard_dist.sharders.node_plan_checks import NODE_AWARE
-from embshard_dist.sharders.plan_checks import check_plan
-from embshard_dist.sharding._lookup import GroupedBagLookup
-from embshard_dist.sharding.base import (
-    EmbeddingBagSharding,
-    ShardingOptions,
-    ShardingStepContext,
-)
-from embshard_dist.sharding.cw import CwSharding
-from embshard_dist.sharding.dp import DpSharding
-from embshard_dist.sharding.grid import GridSharding
-from embshard_dist.sharding.nodes import env_local_world_size
-from embshard_dist.sharding.rw import RwSharding
-from embshard_dist.sharding.tw import TwSharding
-from embshard_dist.sharding.twcw import TwCwSharding
-from embshard_dist.sharding.twrw import TwRwSharding
-from embshard_dist.sharding.variable_batch import (
+from embshard_dist.sharded.node_plan_checks import NODE_AWARE
+from embshard_dist.sharded.sharder import CollectionKind, CollectionSharder
+from embshard_dist.strategies.base import EmbeddingBagSharding, ShardingStepContext
+from embshard_dist.strategies.cw import CwSharding
+from embshard_dist.strategies.dp import DpSharding
+from embshard_dist.strategies.grid import GridSharding
+from embshard_dist.strategies.lookup import GroupedBagLookup
+from embshard_dist.strategies.nodes import env_local_world_size
+from embshard_dist.strategies.options import ShardingOptions
+from embshard_dist.strategies.rw import RwSharding
+from embshard_dist.strategies.tw import TwSharding
+from embshard_dist.strategies.twcw import TwCwSharding
+from embshard_dist.strategies.twrw import TwRwSharding
+from embshard_dist.strategies.variable_batch import (
     VariableBatchKeyedTensorAwaitable,
     check_variable_batch,
     variable_batch_output_dists,
@@ -86,7 +60,7 @@ from embshard_types.interfaces import ShardedModule
 from embshard_types.plan import EmbeddingModuleShardingPlan
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
-from embshard_types.vocab import ComputeKernel, ShardingType
+from embshard_types.vocab import ShardingType
 
 _ATTR = "embedding_bags"
 """The name the local weights are registered under (and the state dict's key prefix)."""
@@ -100,53 +74,22 @@ STRATEGIES: dict[ShardingType, type] = {
     ShardingType.TABLE_COLUMN_WISE: TwCwSharding,
     ShardingType.GRID_SHARD: GridSharding,
 }
-"""The strategy class serving each supported sharding type."""
-
-SUPPORTED_KERNELS: dict[ShardingType, tuple[ComputeKernel, ...]] = {
-    ShardingType.DATA_PARALLEL: (ComputeKernel.FUSED,),
-    ShardingType.TABLE_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
-    ShardingType.ROW_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
-    ShardingType.COLUMN_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
-    ShardingType.TABLE_ROW_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
-    ShardingType.TABLE_COLUMN_WISE: (ComputeKernel.FUSED, ComputeKernel.DENSE),
-    ShardingType.GRID_SHARD: (ComputeKernel.FUSED, ComputeKernel.DENSE),
-}
-"""Compute kernels each strategy runs on the CPU (CUDA adds the UVM fused kernels)."""
-
-_CUDA_ONLY = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
-
-
-def supported_kernels(sharding_type: ShardingType, device_type: str) -> list[ComputeKernel]:
-    """The compute kernels a strategy runs on ``device_type``."""
-    kernels = list(SUPPORTED_KERNELS.get(sharding_type, ()))
-    if device_type == "cuda" and ComputeKernel.FUSED in kernels:
-        kernels[1:1] = _CUDA_ONLY
-    return kernels
 
 
 class ShardedEmbeddingBagCollection(
     ShardedModule[list[KeyedJaggedTensor], list[Tensor], KeyedTensor, EmbeddingBagCollectionContext]
 ):
-    """An EmbeddingBagCollection sharded over the ranks of ``env`` (see the module docstring).
+    """An EmbeddingBagCollection sharded over the ranks of ``env``.
 
     Args:
-        module: the unsharded collection (materialised: weights are copied; on ``meta``: they
-            are drawn deterministically).
-        plan: how each of its tables is sharded.
-        env: the ranks to shard over (its process group carries the collectives).
-        device: this rank's compute device.
-        optimizer: the fused optimizer; default: that of ``fused_params`` if given, else the
-            one ``module`` was built with, else FBGEMM's default (SGD, lr 0.01).
-        fused_params: fused-kernel options (output dtype, bounds check, cache).
-        qcomm_codecs_registry: quantized comm codecs per ``CommOp`` value.
-        path: the module's path in the model, for messages.
-        local_world_size: ranks per node for table-row-wise, table-column-wise and grid
-            tables; default: a 2-D environment's ``node_group_size`` (else its whole sharding
-            group), else ``LOCAL_WORLD_SIZE``, else one node.
+        module: the unsharded collection (on ``meta``, weights are drawn deterministically).
+        optimizer: the fused optimizer; default: that of ``fused_params``, else the module's.
+        local_world_size: ranks per node for the node-aware strategies (default: a 2-D env's
+            ``node_group_size``, else ``LOCAL_WORLD_SIZE``, else one node).
 
     Raises:
-        ValueError / TypeError: the plan does not fit the module, world or device (every rank
-            raises the same error before any collective).
+        ValueError / TypeError: the plan does not fit the module, world or device (on every
+            rank, before any collective).
     """
 
     def __init__(
@@ -166,23 +109,13 @@ class ShardedEmbeddingBagCollection(
         lws = env_local_world_size(env, local_world_size)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         configs = module.embedding_bag_configs()
-        check_plan(
-            configs,
-            plan,
-            env.world_size,
-            dev.type,
-            path=path,
-            sharding_types=list(STRATEGIES),
-            compute_kernels=lambda kind: supported_kernels(kind, dev.type),
-            local_world_size=lws,
-        )
         self._env = env
         self._device = dev
         self._plan = plan
         self._configs = configs
         self._is_weighted = module.is_weighted()
         self._format = state_format(env)
-        # A 2-D environment shards within its sharding group (its process_group is global).
+        # A 2-D environment's process_group is global; shard within its sharding group.
         self._pg = sharding_group(env)
         options = ShardingOptions(
             device=dev,
@@ -201,8 +134,7 @@ class ShardedEmbeddingBagCollection(
             options,
             lambda kind: {"local_world_size": lws} if kind in NODE_AWARE else {},
         )
-        # The three stages of the flow, one module per strategy. They are kept out of the
-        # module tree: the local weights are registered once, under ``embedding_bags``.
+        # Kept out of the module tree: the local weights are registered once, under _ATTR.
         self._input_dists = [s.create_input_dist() for s in self._shardings]
         self._lookups: list[GroupedBagLookup] = [s.create_lookup() for s in self._shardings]
         self._output_dists = [s.create_output_dist() for s in self._shardings]
@@ -220,11 +152,9 @@ class ShardedEmbeddingBagCollection(
         self._fused_optim = combine_optimizers(
             [o for lk in self._lookups for o in lk.fused_optimizers()], _ATTR
         )
-        self._variable_dists: list[nn.Module] | None = None  # built for the first such batch
+        self._variable_dists: list[nn.Module] | None = None
         self._states = TableStates(_ATTR, self._tables, local, self._format, self._pg, dev.type)
         self._states.register(self)
-
-    # -- the flow ---------------------------------------------------------------------------
 
     def create_context(self) -> EmbeddingBagCollectionContext:
         return EmbeddingBagCollectionContext([ShardingStepContext() for _ in self._shardings])
@@ -232,14 +162,7 @@ class ShardedEmbeddingBagCollection(
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, *input: Any, **kwargs: Any
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
-        """Start routing every strategy's features (in strategy order, on every rank).
-
-        Args:
-            ctx: the step's context.
-            *input: the caller's ``KeyedJaggedTensor`` (local batch; extra features ignored;
-                batch sizes may vary per feature, with inverse indices, on every rank alike:
-                see :mod:`embshard_dist.sharding.variable_batch`).
-        """
+        """Start routing every strategy's features (in strategy order, on every rank)."""
         (features,) = input
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(
@@ -260,15 +183,13 @@ class ShardedEmbeddingBagCollection(
     def compute(
         self, ctx: EmbeddingBagCollectionContext, dist_input: list[KeyedJaggedTensor]
     ) -> list[Tensor]:
-        """Every strategy's lookup of its local shards."""
         return [lookup(kjt) for lookup, kjt in zip(self._lookups, dist_input, strict=True)]
 
     def output_dist(
         self, ctx: EmbeddingBagCollectionContext, output: list[Tensor]
     ) -> LazyAwaitable[KeyedTensor]:
-        """Start every strategy's output dist; the result waits for them on first use."""
         variable = ctx.sharding_contexts[0].input_features if ctx.sharding_contexts else None
-        if variable is not None:  # batch sizes vary per feature
+        if variable is not None:
             if self._variable_dists is None:
                 self._variable_dists = variable_batch_output_dists(
                     self._shardings, self._tables, self._pg, self.qcomm_codecs_registry
@@ -286,12 +207,10 @@ class ShardedEmbeddingBagCollection(
                 self._output_dists, output, ctx.sharding_contexts, strict=True
             )
         ]
-        # while the output collectives fly: the backward's id sorting
+        # Overlap the backward's id sorting with the output collectives.
         for lookup in self._lookups:
             lookup.prepare_backward()
         return KeyedTensorAwaitable(pending, self._keys, self._dims, self._columns)
-
-    # -- introspection ----------------------------------------------------------------------
 
     @property
     def unsharded_module_type(self) -> type[nn.Module]:
@@ -299,7 +218,6 @@ class ShardedEmbeddingBagCollection(
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
-        """The fused optimizers of every local kernel, as one keyed optimizer."""
         return self._fused_optim
 
     @property
@@ -308,18 +226,13 @@ class ShardedEmbeddingBagCollection(
 
     @property
     def shardings(self) -> list[EmbeddingBagSharding]:
-        """The strategies, in the order their collectives run."""
         return list(self._shardings)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        """The unsharded collection's table configs."""
         return list(self._configs)
 
     def is_weighted(self) -> bool:
-        """Whether the features carry per-id weights."""
         return self._is_weighted
-
-    # -- state ------------------------------------------------------------------------------
 
     def _table_entry(self, name: str) -> Tensor:
         return self._states.entry(name)
@@ -328,7 +241,6 @@ class ShardedEmbeddingBagCollection(
 def _column_index(
     shardings: list[EmbeddingBagSharding], keys: list[str], dims: Mapping[str, int]
 ) -> ColumnAssembly:
-    """The strategies' outputs side by side, in the caller's key order."""
     start: dict[str, int] = {}
     at = 0
     for sharding in shardings:
@@ -337,3 +249,16 @@ def _column_index(
             at += dim
     widths = [sum(sharding.embedding_dims()) for sharding in shardings]
     return ColumnAssembly(widths, [start[f] + j for f in keys for j in range(dims[f])])
+
+
+class EmbeddingBagCollectionSharder(CollectionSharder[EmbeddingBagCollection]):
+    """Shards ``EmbeddingBagCollection`` modules, with every sharding type."""
+
+    kind = CollectionKind(
+        module_type=EmbeddingBagCollection,
+        weights_attr=_ATTR,
+        strategies=STRATEGIES,
+        sharded_type=ShardedEmbeddingBagCollection,
+        configs=EmbeddingBagCollection.embedding_bag_configs,
+        node_aware=True,
+    )

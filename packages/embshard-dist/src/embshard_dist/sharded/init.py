@@ -1,14 +1,8 @@
-"""Filling the local shards of a freshly sharded collection: copied, or drawn deterministically.
+"""Fills the local shards of a freshly sharded collection: copied, or drawn deterministically.
 
-When the unsharded module is materialised its weights are copied (each rank copies its rows and
-columns). When it lives on the meta device each table is drawn uniformly from its
-``init_range`` in blocks of :data:`ROWS_PER_DRAW` rows, block ``k`` of table ``t`` from a
-generator seeded with ``crc32("t:k")``.
-
-Guarantees: the drawn weights depend only on the table's name, shape and init range: every rank,
-every plan and every world size gets the same values for the same row (so data-parallel
-replicas agree and a re-planned model starts identically); a rank draws only the row blocks its
-shard overlaps; torch's global random state is neither used nor changed.
+Drawn weights depend only on the table's name, shape and init range (block ``k`` of table ``t``
+seeded with ``crc32("t:k")``), so every rank, plan and world size gets the same row values;
+torch's global random state is untouched.
 """
 
 from __future__ import annotations
@@ -26,13 +20,7 @@ ROWS_PER_DRAW = 4096
 
 
 def draw_shard(config: BaseEmbeddingConfig, spec: ShardSpec, dtype: torch.dtype) -> Tensor:
-    """The initial values of one shard of a table (see the module docstring).
-
-    Args:
-        config: the table.
-        spec: the shard (2-D offsets and sizes).
-        dtype: the dtype of the result.
-    """
+    """The initial values of one shard of a table; only the row blocks it overlaps are drawn."""
     (r0, c0), (nr, nc) = spec.offsets, spec.sizes
     low, high = config.weight_init_min, config.weight_init_max
     blocks = []
@@ -51,5 +39,4 @@ def draw_shard(config: BaseEmbeddingConfig, spec: ShardSpec, dtype: torch.dtype)
 
 
 def is_materialised(weight: Tensor) -> bool:
-    """Whether ``weight`` holds values (not a meta tensor)."""
     return weight.device.type != "meta"

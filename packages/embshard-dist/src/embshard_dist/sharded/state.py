@@ -1,17 +1,8 @@
 """A sharded table's weight as a state-dict entry, and back into its local shard.
 
-Saving: a table sharded table-, row- or column-wise becomes one ``ShardedTensor`` (or
-``DTensor``) of the whole table's size over this rank's local shard (none on ranks that hold
-no part of it: the entry exists on every rank, as distributed checkpointing needs); a
-data-parallel table is its plain local tensor (the same on every rank).
-
-Loading: an entry may be a ``ShardedTensor`` / ``DTensor`` saved with the same layout (its
-local shard is taken), or a plain tensor of the whole table (the local rows and columns are
-sliced out), or a plain tensor of the local shard's size.
-
-Guarantees: saving copies nothing (the entries wrap the kernels' live weights); loading
-raises a ``ValueError`` naming the table when the entry fits none of those forms, before
-anything is written.
+Saving wraps the kernels' live weights without copying (a ``ShardedTensor`` or ``DTensor`` on
+every rank, the plain tensor for DP). Loading accepts the same sharded layout, the whole table or
+the local shard, and raises ``ValueError`` naming the table before writing anything otherwise.
 """
 
 from __future__ import annotations
@@ -42,17 +33,7 @@ def table_state_entry(
     pg: ProcessGroup | None,
     mesh: DeviceMesh | None,
 ) -> Tensor:
-    """The state-dict entry of one sharded table (see the module docstring).
-
-    Args:
-        local: this rank's shards of the table and their specs (maybe none).
-        specs: every shard of the table.
-        size: the table's ``(rows, dim)``.
-        dtype: the weights' dtype.
-        fmt: ``SHARDED_TENSOR`` or ``DTENSOR``.
-        pg: the process group the placements refer to.
-        mesh: the device mesh over ``pg`` (``DTENSOR`` only).
-    """
+    """The state-dict entry of one sharded table over this rank's shards (maybe none)."""
     if fmt is StateFormat.DTENSOR:
         assert mesh is not None
         return _dtensor(local, specs, size, mesh)
@@ -102,12 +83,6 @@ def _dtensor(
 
 def local_part(value: Any, spec: ShardSpec, size: tuple[int, int], table: str) -> Tensor:
     """The part of a loaded entry that belongs in the local shard ``spec``.
-
-    Args:
-        value: the state-dict entry (see the module docstring for the accepted forms).
-        spec: this rank's shard of the table.
-        size: the table's ``(rows, dim)``.
-        table: the table's name, for messages.
 
     Raises:
         ValueError: the entry is neither the whole table, nor this shard, nor a sharded
@@ -161,8 +136,7 @@ def check_entry(value: Any, size: tuple[int, int], table: str) -> None:
 def _local_shards(value: Any) -> list[tuple[Tensor, Sequence[int]]] | None:
     """``(tensor, offsets)`` of each local shard of a ShardedTensor / DTensor, else None.
 
-    The sharded types are looked up only if their modules were imported (a value of such a
-    type cannot exist otherwise), so plain tensors never pay for those imports.
+    Looks the types up only if already imported, so plain tensors never import them.
     """
     st_module = sys.modules.get("torch.distributed._shard.sharded_tensor")
     if st_module is not None and isinstance(value, st_module.ShardedTensor):
@@ -170,7 +144,7 @@ def _local_shards(value: Any) -> list[tuple[Tensor, Sequence[int]]] | None:
     dt_module = sys.modules.get("torch.distributed.tensor")
     if dt_module is not None and isinstance(value, dt_module.DTensor):
         inner = value.to_local()
-        if hasattr(inner, "local_offsets"):  # a LocalShardsWrapper
+        if hasattr(inner, "local_offsets"):
             return list(zip(inner.local_shards(), inner.local_offsets(), strict=True))
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -1,7 +1,4 @@
-"""Sparse input and output types: JaggedTensor, KeyedJaggedTensor, KeyedTensor (torch only).
-
-Importing this package only imports torch; nothing touches a device.
-"""
+"""Sparse input and output types (JaggedTensor, KeyedJaggedTensor, KeyedTensor); torch only."""
 
 from embshard_types.sparse.jagged import JaggedTensor
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor

@@ -1,8 +1,6 @@
-"""Loop-free tensor helpers shared by the jagged types.
+"""Loop-free tensor helpers shared by the jagged types (nothing iterates over ids in Python).
 
-Everything here works on whole tensors with torch ops (cumsum, diff, index_select, cat of
-per-key slices); nothing iterates over ids or samples in Python. Functions that return Python
-numbers (``offsets_at``) read the device once and say so in their docstring.
+Functions that return Python numbers read the device once and say so.
 """
 
 from __future__ import annotations
@@ -15,11 +13,7 @@ from torch import Tensor
 
 
 def offsets_from_lengths(lengths: Tensor) -> Tensor:
-    """Return the complete offsets of ``lengths``: ``[0, l0, l0+l1, ...]`` in lengths' dtype.
-
-    Args:
-        lengths: 1-D integer tensor of segment lengths.
-    """
+    """Return the complete offsets of 1-D ``lengths``: ``[0, l0, l0+l1, ...]`` in their dtype."""
     out = torch.empty(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
     out[0] = 0
     torch.cumsum(lengths, 0, dtype=lengths.dtype, out=out[1:])
@@ -27,11 +21,7 @@ def offsets_from_lengths(lengths: Tensor) -> Tensor:
 
 
 def lengths_from_offsets(offsets: Tensor) -> Tensor:
-    """Return the segment lengths of complete ``offsets`` (one entry fewer than ``offsets``).
-
-    Args:
-        offsets: 1-D integer tensor of at least one entry, starting at 0.
-    """
+    """Return the segment lengths of complete ``offsets`` (one entry fewer than ``offsets``)."""
     return torch.diff(offsets)
 
 
@@ -49,8 +39,6 @@ def offsets_at(offsets: Tensor, positions: Sequence[int], uniform_step: int = 0)
     """Read ``offsets[p]`` for each ``p`` in ``positions`` back to Python (one device sync).
 
     Args:
-        offsets: 1-D complete offsets tensor.
-        positions: indices into ``offsets``, e.g. the first segment of every key.
         uniform_step: when positive, ``positions`` is ``0, step, 2*step, ...`` and a strided
             view replaces the index tensor.
     """
@@ -63,13 +51,7 @@ def offsets_at(offsets: Tensor, positions: Sequence[int], uniform_step: int = 0)
 def gather_segments(tensor: Tensor, bounds: Sequence[int], order: Sequence[int]) -> Tensor:
     """Concatenate the segments ``tensor[bounds[i]:bounds[i+1]]`` for ``i`` in ``order``.
 
-    ``order`` may repeat or leave out segments. When it is ``0..n-1`` over every segment the
-    input is returned as it is, without a copy.
-
-    Args:
-        tensor: tensor whose first dimension is split into consecutive segments.
-        bounds: segment boundaries (len = number of segments + 1).
-        order: which segments to take, in output order.
+    ``order`` may repeat or leave out segments; when it is ``0..n-1`` the input is returned.
     """
     if len(order) == len(bounds) - 1 and all(i == j for j, i in enumerate(order)):
         return tensor

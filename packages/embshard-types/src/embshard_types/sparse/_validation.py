@@ -1,15 +1,8 @@
 """Checks for jagged inputs, with error messages that say what is wrong and where.
 
-Two kinds of check live here:
-
-* ``check_*_args`` / ``check_layout``: cheap checks of types, shapes, dtypes, devices and
-  counts. They never read tensor data, so they cost no device sync and run in every
-  constructor.
-* ``check_*_data``: O(n) checks that read the lengths / offsets (one device-to-host read per
-  check). They run from ``validate()`` and from the ``*_sync`` constructors only.
-
-Every failure is a ``ValueError`` (``TypeError`` for arguments that are not tensors / strings)
-naming the key and sample when one can be determined, raised before any state changes.
+``check_*_args`` / ``check_layout`` never read tensor data and run in every constructor;
+``*_data`` checks are O(n) and run from ``validate()`` and the ``*_sync`` constructors. Failures
+raise ``ValueError`` (``TypeError`` for wrong argument types) before any state changes.
 """
 
 from __future__ import annotations
@@ -71,10 +64,6 @@ def check_jagged_args(
 
     Args:
         owner: the class name for messages (``"JaggedTensor"``, ``"KeyedJaggedTensor"``).
-        values: the concatenated values; dim 0 is the one the lengths index.
-        weights: optional per-value weights (1-D, one per row of ``values``).
-        lengths: optional 1-D integer segment lengths.
-        offsets: optional 1-D integer complete offsets (one more entry than segments).
     """
     check_tensor(values, "values", owner)
     if values.dim() == 0:
@@ -172,15 +161,7 @@ def check_layout(
     stride: int | None,
     stride_per_key: Sequence[int] | None,
 ) -> int:
-    """Check that the segment count fits keys x stride; return the stride.
-
-    Args:
-        owner: class name for messages.
-        keys: the keys.
-        num_segments: entries in lengths (or offsets minus one).
-        stride: the caller's stride, or None to infer it.
-        stride_per_key: per-key batch sizes when the stride varies per key, else None.
-    """
+    """Check that the segment count fits keys x stride (or ``stride_per_key``); return stride."""
     name = "lengths"
     if stride is not None and stride < 0:
         raise ValueError(f"{owner}: stride must be >= 0, got {stride}")
@@ -373,12 +354,6 @@ def validate_jagged_data(
     """Run every data check of a jagged layout, cheapest first.
 
     Args:
-        owner: class name for messages.
-        locator: names keys / samples of segment indices.
-        values: the values (dim 0 is jagged).
-        weights: optional per-value weights.
-        lengths: the lengths if the caller gave them (or they were derived), else None.
-        offsets: complete offsets (given, or derived from lengths).
         offsets_given: whether ``offsets`` came from the caller (so must be checked itself).
         length_per_key: a caller-supplied length_per_key to cross-check, if any.
         require_ids: values must be integer ids and weights floating point.

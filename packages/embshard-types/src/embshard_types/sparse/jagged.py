@@ -1,18 +1,8 @@
 """JaggedTensor: one feature's variable-length bags for a batch of samples.
 
-A JaggedTensor holds ``values`` (ids, or rows of embeddings: the first dimension is the one
-that is jagged), optional per-value ``weights`` and the bag boundaries as ``lengths``
-(one entry per sample) and/or complete ``offsets`` (``[0, l0, l0+l1, ...]``). Whichever of the
-two is missing is derived on first use with one torch op and cached.
-
-Checks:
-    * Construction checks types, shapes, dtypes and devices only (lengths / offsets 1-D and
-      integer, offsets one entry longer than lengths, one weight per value, one device). It
-      never reads tensor data, so it costs no device sync.
-    * ``validate()`` reads the data: no negative lengths (names the sample), offsets starting
-      at 0 and non-decreasing, lengths and offsets agreeing when both are given, and the bags
-      covering exactly the values (says by how much). Float values are allowed: a
-      JaggedTensor may hold embeddings.
+Holds ``values`` (ids or embedding rows; dim 0 is jagged), optional ``weights`` and ``lengths``
+and/or complete ``offsets``; the missing one is derived on first use and cached. Construction
+never reads tensor data; ``validate()`` does (O(n)) and names the offending sample.
 """
 
 from __future__ import annotations
@@ -35,14 +25,11 @@ class JaggedTensor:
     """Variable-length bags of values (and optional weights) for a batch of samples.
 
     Args:
-        values: the bags' values concatenated, shape ``[N, ...]``.
-        weights: optional per-value weights, shape ``[N]``.
-        lengths: bag sizes, shape ``[B]`` (give this and/or ``offsets``).
-        offsets: complete bag offsets, shape ``[B + 1]``, starting at 0.
+        values: the bags' values concatenated, ``[N, ...]``; ``weights`` is ``[N]``.
+        lengths: bag sizes, ``[B]`` (give this and/or ``offsets``, ``[B + 1]`` from 0).
 
     Raises:
         ValueError: neither lengths nor offsets is given, or a shape / dtype / device is wrong.
-        TypeError: an argument is not a tensor.
     """
 
     def __init__(
@@ -68,15 +55,7 @@ class JaggedTensor:
         weights_dtype: torch.dtype | None = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> JaggedTensor:
-        """Return a JaggedTensor with no samples.
-
-        Args:
-            is_weighted: whether to give it an (empty) weights tensor.
-            device: where its tensors live.
-            values_dtype: dtype of values (default int64).
-            weights_dtype: dtype of weights (default float32).
-            lengths_dtype: dtype of lengths and offsets.
-        """
+        """Return a JaggedTensor with no samples (values int64, weights float32 by default)."""
         values = torch.empty(0, dtype=values_dtype or torch.int64, device=device)
         weights = (
             torch.empty(0, dtype=weights_dtype or torch.float32, device=device)
@@ -89,15 +68,7 @@ class JaggedTensor:
 
     @staticmethod
     def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
-        """Build from one tensor per sample (the inverse of ``to_dense``).
-
-        Args:
-            values: per-sample tensors, each ``[n_i, ...]`` with the same trailing shape.
-            weights: optional per-sample weights, each ``[n_i]``.
-
-        Raises:
-            ValueError: ``weights`` has a different number of samples than ``values``.
-        """
+        """Build from one ``[n_i, ...]`` tensor (and ``[n_i]`` weights) per sample."""
         if weights is not None and len(weights) != len(values):
             raise ValueError(
                 f"{_OWNER}.from_dense: {len(weights)} weight tensors for {len(values)} samples"
@@ -113,13 +84,7 @@ class JaggedTensor:
     def from_dense_lengths(
         values: Tensor, lengths: Tensor, weights: Tensor | None = None
     ) -> JaggedTensor:
-        """Build from a padded ``[B, L, ...]`` tensor, keeping the first ``lengths[b]`` of row b.
-
-        Args:
-            values: padded values, ``[B, L, ...]``.
-            lengths: ``[B]`` how many leading entries of each row are real (each <= L).
-            weights: optional padded weights, ``[B, L]``.
-        """
+        """Build from a padded ``[B, L, ...]`` tensor, keeping the first ``lengths[b]`` of row b."""
         if values.dim() < 2 or lengths.shape != values.shape[:1]:
             raise ValueError(
                 f"{_OWNER}.from_dense_lengths: values must be [B, L, ...] and lengths [B]; got "
@@ -187,12 +152,7 @@ class JaggedTensor:
     def to_padded_dense(
         self, desired_length: int | None = None, padding_value: float = 0.0
     ) -> Tensor:
-        """Values padded (or cut) to ``[B, desired_length, ...]``.
-
-        Args:
-            desired_length: row length; default the longest bag. Longer bags are cut.
-            padding_value: the value of padding entries.
-        """
+        """Values padded (or cut) to ``[B, desired_length, ...]`` (default: the longest bag)."""
         return self._padded(self._values, desired_length, padding_value)
 
     def to_padded_dense_weights(
@@ -263,12 +223,7 @@ class JaggedTensor:
     # ---- checks and text -----------------------------------------------------------------
 
     def validate(self) -> None:
-        """Check the data (O(n), reads the device); raise ValueError naming the sample.
-
-        Raises:
-            ValueError: negative lengths, offsets not starting at 0 or decreasing, lengths
-                and offsets disagreeing, or bags not covering exactly the values.
-        """
+        """Check the data (O(n), reads the device); raise ValueError naming the sample."""
         offsets_given = self._offsets is not None
         validate_jagged_data(
             _OWNER,

@@ -1,45 +1,24 @@
 """KeyedJaggedTensor: a batch of sparse features (one JaggedTensor per key), key-major.
 
-Layout: ``lengths[bounds[k] + b]`` is the bag size of key ``k``, sample ``b``, where
-``bounds`` is the running sum of the per-key batch sizes (``k * stride`` when every key has the
-same batch size); ``values`` (1-D ids) and optional ``weights`` are concatenated in that order.
-Batch sizes may differ per key ("variable stride per key"): ``stride_per_key_per_rank[k]``
-lists key ``k``'s batch size on each rank and ``stride_per_key()[k]`` is their sum.
-
-Whichever of lengths / offsets is missing is derived on first use and cached, as are
-``length_per_key`` / ``offset_per_key`` (one device read, done by ``sync()`` or by the first
-operation that needs them) and the ``to_dict()`` result. No operation loops over ids or
-samples in Python: split, permute, to_dict, lookup and concat slice and concatenate per key.
-
-Checks:
-    * Construction (cheap, never reads tensor data): keys are distinct strings; values,
-      lengths and offsets are 1-D, lengths / offsets integer; offsets have one entry more than
-      lengths; there is one length per key per sample (the count is a multiple of the number
-      of keys, or equals keys x stride, or matches ``stride_per_key_per_rank``); one weight per
-      value; everything on one device; a given ``length_per_key`` adds up to the values.
-    * ``validate()`` (O(n), reads the data): integer values and floating weights, no negative
-      lengths (names key and sample), offsets start at 0 and never decrease (names key and
-      sample), lengths and offsets agree when both are given, lengths add up to the values
-      (says by how much and which key runs past the end), a given ``length_per_key`` matches
-      the lengths (names the key).
-    * ``from_lengths_sync`` / ``from_offsets_sync`` / ``from_jt_dict`` validate eagerly and sync.
-
-A permute that repeats a key yields repeated keys (allowed there, rejected otherwise); lookups
-by such a key return its first occurrence.
+``lengths[bounds[k] + b]`` is the bag size of key ``k``, sample ``b``; batch sizes may vary per
+key (``stride_per_key_per_rank``). Derived lengths / offsets and per-key sizes are cached (one
+device read). Construction never reads tensor data; ``validate()`` does and names key and
+sample. No operation loops over ids or samples in Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain, pairwise
 
 import torch
 from torch import Tensor
 
-from embshard_types.sparse._format import describe, keyed_jagged_text
-from embshard_types.sparse._kjt_ops import concat_kjts, kjt_from_jt_dict, permute_kjt, split_kjt
+from embshard_types.sparse._format import describe, preview
 from embshard_types.sparse._ops import (
     cumulative,
     differences,
+    gather_segments,
     lengths_from_offsets,
     offsets_at,
     offsets_from_lengths,
@@ -66,23 +45,17 @@ class KeyedJaggedTensor:
     """Sparse features for a batch: per key, variable-length bags of ids (and weights).
 
     Args:
-        keys: feature names, in layout order (distinct).
-        values: 1-D ids of every bag, key-major.
-        weights: optional per-id weights, same length as values.
-        lengths: bag sizes, one per key per sample (give this and/or ``offsets``).
-        offsets: complete bag offsets (``len(lengths) + 1`` entries, starting at 0).
+        lengths: bag sizes, one per key per sample (give this and/or complete ``offsets``).
         stride: batch size; inferred from ``lengths`` / ``offsets`` and the key count if None.
         stride_per_key_per_rank: for batch sizes that vary per key, one list per key of its
             batch size on each rank.
-        length_per_key: optional number of ids per key, if already known (saves a sync).
-        offset_per_key: optional running sum of ``length_per_key`` (``len(keys) + 1`` entries).
-        inverse_indices: optional ``(keys, tensor[len(keys), batch])`` mapping the samples of a
+        length_per_key: number of ids per key, if already known (saves a sync).
+        inverse_indices: ``(keys, tensor[len(keys), batch])`` mapping the samples of a
             deduplicated variable-stride batch back to the full batch.
         allow_duplicate_keys: accept repeated keys (as produced by ``permute``).
 
     Raises:
-        ValueError: a count, shape, dtype or device does not fit (see the module docstring).
-        TypeError: keys are not strings or an argument is not a tensor.
+        ValueError: a count, shape, dtype or device does not fit.
     """
 
     def __init__(
@@ -147,13 +120,7 @@ class KeyedJaggedTensor:
         stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
         inverse_indices: InverseIndices | None = None,
     ) -> KeyedJaggedTensor:
-        """Build from lengths, validate the data and compute the per-key sizes now.
-
-        Args: as for the constructor.
-
-        Raises:
-            ValueError: anything ``validate()`` rejects.
-        """
+        """Build from lengths, ``validate()`` the data and compute the per-key sizes now."""
         kjt = KeyedJaggedTensor(
             keys,
             values,
@@ -176,13 +143,7 @@ class KeyedJaggedTensor:
         stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
         inverse_indices: InverseIndices | None = None,
     ) -> KeyedJaggedTensor:
-        """Build from complete offsets, validate the data and compute the per-key sizes now.
-
-        Args: as for the constructor.
-
-        Raises:
-            ValueError: anything ``validate()`` rejects.
-        """
+        """Build from offsets, ``validate()`` the data and compute the per-key sizes now."""
         kjt = KeyedJaggedTensor(
             keys,
             values,
@@ -203,15 +164,7 @@ class KeyedJaggedTensor:
         weights_dtype: torch.dtype | None = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> KeyedJaggedTensor:
-        """Return a KeyedJaggedTensor with no keys (stride 0).
-
-        Args:
-            is_weighted: whether to give it an (empty) weights tensor.
-            device: where its tensors live.
-            values_dtype: dtype of values (default int64).
-            weights_dtype: dtype of weights (default float32).
-            lengths_dtype: dtype of lengths.
-        """
+        """Return a KeyedJaggedTensor with no keys (stride 0); see ``JaggedTensor.empty``."""
         jt = JaggedTensor.empty(is_weighted, device, values_dtype, weights_dtype, lengths_dtype)
         return KeyedJaggedTensor(
             [], jt.values(), weights=jt.weights_or_none(), lengths=jt.lengths(), stride=0
@@ -219,33 +172,20 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-        """Build from one JaggedTensor per key (the inverse of ``to_dict``); validates and syncs.
+        """Build from one JaggedTensor of ids per key (all weighted or none); validates and syncs.
 
-        Keys whose JaggedTensors have different numbers of samples give a variable-stride
-        KeyedJaggedTensor (one rank per key).
-
-        Args:
-            jt_dict: key -> JaggedTensor of 1-D ids; all weighted or none.
-
-        Raises:
-            ValueError: some but not all JaggedTensors have weights, or ``validate()`` fails.
+        Different sample counts per key give a variable stride (one rank per key).
         """
-        return kjt_from_jt_dict(jt_dict)
+        return _kjt_from_jt_dict(jt_dict)
 
     @staticmethod
     def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-        """Concatenate KeyedJaggedTensors key-wise (keys of the first, then the second, ...).
+        """Concatenate at least one KeyedJaggedTensor key-wise (all weighted or none).
 
-        If their strides differ, or any has a variable stride, the result has a variable stride
-        per key. Cached per-key sizes carry over; inverse indices do not.
-
-        Args:
-            kjt_list: at least one KeyedJaggedTensor; all weighted or none.
-
-        Raises:
-            ValueError: the list is empty, some but not all are weighted, or a key repeats.
+        Differing or variable strides give a variable stride per key. Cached per-key sizes
+        carry over; inverse indices do not.
         """
-        return concat_kjts(kjt_list)
+        return _concat_kjts(kjt_list)
 
     # ---- accessors -----------------------------------------------------------------------
 
@@ -387,26 +327,12 @@ class KeyedJaggedTensor:
         return dict(self._jt_dict)
 
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
-        """Split key-wise into consecutive groups of ``segments[i]`` keys each.
-
-        Args:
-            segments: non-negative key counts adding up to ``len(keys())``.
-
-        Raises:
-            ValueError: a segment is negative or they do not add up to the key count.
-        """
-        return split_kjt(self, segments)
+        """Split key-wise into consecutive groups of ``segments[i]`` keys (summing to all keys)."""
+        return _split_kjt(self, segments)
 
     def permute(self, indices: Sequence[int]) -> KeyedJaggedTensor:
-        """Reorder keys: output key ``i`` is input key ``indices[i]`` (repeats and drops allowed).
-
-        Args:
-            indices: positions into ``keys()``.
-
-        Raises:
-            IndexError: an index is out of range (the message gives it and the keys).
-        """
-        return permute_kjt(self, indices)
+        """Reorder keys: output key ``i`` is input key ``indices[i]`` (repeats, drops allowed)."""
+        return _permute_kjt(self, indices)
 
     # ---- devices and streams -------------------------------------------------------------
 
@@ -416,13 +342,7 @@ class KeyedJaggedTensor:
         non_blocking: bool = False,
         dtype: torch.dtype | None = None,
     ) -> KeyedJaggedTensor:
-        """Return a copy on ``device``; ``dtype``, if given, converts the weights.
-
-        Args:
-            device: the target device.
-            non_blocking: passed to ``Tensor.to``.
-            dtype: optional dtype for the weights.
-        """
+        """Return a copy on ``device``; ``dtype``, if given, converts the weights."""
         weights = self._weights
         if weights is not None:
             weights = weights.to(device, dtype=dtype, non_blocking=non_blocking)
@@ -461,11 +381,7 @@ class KeyedJaggedTensor:
     # ---- checks and text -----------------------------------------------------------------
 
     def validate(self) -> None:
-        """Check the data (O(n), reads the device); see the module docstring for the list.
-
-        Raises:
-            ValueError: naming the problem and, where it can be told, the key and sample.
-        """
+        """Check the data (O(n), reads the device); ``ValueError`` names the key and sample."""
         offsets_given = self._offsets is not None
         validate_jagged_data(
             _OWNER,
@@ -493,7 +409,19 @@ class KeyedJaggedTensor:
         )
 
     def __str__(self) -> str:
-        return keyed_jagged_text(self)
+        """``repr`` followed by one line per key with its lengths, ids and weights."""
+        lines = [repr(self)]
+        offsets = self.offset_per_key()
+        bounds = self.lengths_offset_per_key()
+        lengths, values, weights = self.lengths(), self.values(), self.weights_or_none()
+        for k, key in enumerate(self.keys()):
+            start, stop = offsets[k], offsets[k + 1]
+            line = f"  {key!r}: lengths={preview(lengths[bounds[k] : bounds[k + 1]])}"
+            line += f" values={preview(values[start:stop])}"
+            if weights is not None:
+                line += f" weights={preview(weights[start:stop])}"
+            lines.append(line)
+        return "\n".join(lines)
 
     # ---- caches --------------------------------------------------------------------------
 
@@ -516,3 +444,130 @@ class KeyedJaggedTensor:
                 index.setdefault(key, i)
             self._index_per_key = index
         return self._index_per_key
+
+
+# ---- key-wise operations that build new KeyedJaggedTensors -----------------------------
+
+
+def _split_kjt(kjt: KeyedJaggedTensor, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+    """See ``KeyedJaggedTensor.split``."""
+    keys = kjt.keys()
+    if any(s < 0 for s in segments) or sum(segments) != len(keys):
+        raise ValueError(
+            f"{_OWNER}.split: segments {list(segments)} must be >= 0 and add up to the "
+            f"{len(keys)} keys {keys}"
+        )
+    ends = cumulative(segments)
+    return [kjt if b - a == len(keys) else _key_range(kjt, a, b) for a, b in pairwise(ends)]
+
+
+def _key_range(kjt: KeyedJaggedTensor, a: int, b: int) -> KeyedJaggedTensor:
+    """The keys ``a..b-1`` of ``kjt`` as a new KeyedJaggedTensor of views."""
+    bounds = kjt.lengths_offset_per_key()
+    start = stop = 0
+    sizes: list[int] = []
+    if a < b:
+        offsets = kjt.offset_per_key()
+        start, stop, sizes = offsets[a], offsets[b], kjt.length_per_key()[a:b]
+    weights = kjt.weights_or_none()
+    keys = kjt.keys()[a:b]
+    return KeyedJaggedTensor(
+        keys,
+        kjt.values()[start:stop],
+        weights=None if weights is None else weights[start:stop],
+        lengths=kjt.lengths()[bounds[a] : bounds[b]],
+        stride=kjt.stride(),
+        stride_per_key_per_rank=(
+            kjt.stride_per_key_per_rank()[a:b] if kjt.variable_stride_per_key() else None
+        ),
+        length_per_key=sizes,
+        inverse_indices=kjt.inverse_indices_or_none(),
+        allow_duplicate_keys=len(set(keys)) < len(keys),
+    )
+
+
+def _permute_kjt(kjt: KeyedJaggedTensor, indices: Sequence[int]) -> KeyedJaggedTensor:
+    """See ``KeyedJaggedTensor.permute``."""
+    keys = kjt.keys()
+    for position, i in enumerate(indices):
+        if not 0 <= i < len(keys):
+            raise IndexError(
+                f"{_OWNER}.permute: indices[{position}] = {i} is out of range for the "
+                f"{len(keys)} keys {keys}"
+            )
+    order = list(indices)
+    sizes, offsets = kjt.length_per_key(), kjt.offset_per_key()
+    weights = kjt.weights_or_none()
+    new_keys = [keys[i] for i in order]
+    per_rank = kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None
+    return KeyedJaggedTensor(
+        new_keys,
+        gather_segments(kjt.values(), offsets, order),
+        weights=None if weights is None else gather_segments(weights, offsets, order),
+        lengths=gather_segments(kjt.lengths(), kjt.lengths_offset_per_key(), order),
+        stride=kjt.stride(),
+        stride_per_key_per_rank=None if per_rank is None else [per_rank[i] for i in order],
+        length_per_key=[sizes[i] for i in order],
+        inverse_indices=kjt.inverse_indices_or_none(),
+        allow_duplicate_keys=len(set(new_keys)) < len(new_keys),
+    )
+
+
+def _concat_kjts(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """See ``KeyedJaggedTensor.concat``."""
+    if not kjt_list:
+        raise ValueError(f"{_OWNER}.concat: kjt_list is empty; give at least one")
+    weighted = [k.weights_or_none() is not None for k in kjt_list]
+    if any(weighted) and not all(weighted):
+        unweighted = weighted.index(False)
+        raise ValueError(
+            f"{_OWNER}.concat: kjt_list[{unweighted}] (keys {kjt_list[unweighted].keys()}) has "
+            f"no weights but kjt_list[{weighted.index(True)}] has; give weights for all or none"
+        )
+    variable = any(k.variable_stride_per_key() for k in kjt_list) or (
+        len({k.stride() for k in kjt_list}) > 1
+    )
+    sizes = [k.length_per_key_or_none() for k in kjt_list]
+    keys = list(chain.from_iterable(k.keys() for k in kjt_list))
+    repeated = any(len(set(k.keys())) < len(k.keys()) for k in kjt_list)
+    return KeyedJaggedTensor(
+        keys,
+        torch.cat([k.values() for k in kjt_list]),
+        weights=torch.cat([k.weights() for k in kjt_list]) if all(weighted) else None,
+        lengths=torch.cat([k.lengths() for k in kjt_list]),
+        stride=max(k.stride() for k in kjt_list),
+        stride_per_key_per_rank=(
+            [s for k in kjt_list for s in k.stride_per_key_per_rank()] if variable else None
+        ),
+        length_per_key=(
+            None if any(s is None for s in sizes) else [n for s in sizes for n in s or ()]
+        ),
+        allow_duplicate_keys=repeated,
+    )
+
+
+def _kjt_from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+    """See ``KeyedJaggedTensor.from_jt_dict``."""
+    if not jt_dict:
+        return KeyedJaggedTensor.empty()
+    keys = list(jt_dict)
+    jts = list(jt_dict.values())
+    weighted = [jt.weights_or_none() is not None for jt in jts]
+    if any(weighted) and not all(weighted):
+        raise ValueError(
+            f"{_OWNER}.from_jt_dict: key {keys[weighted.index(False)]!r} has no weights but "
+            f"key {keys[weighted.index(True)]!r} has; give weights for all keys or none"
+        )
+    sizes = [jt.lengths().numel() for jt in jts]
+    uniform = len(set(sizes)) == 1
+    kjt = KeyedJaggedTensor(
+        keys,
+        torch.cat([jt.values() for jt in jts]),
+        weights=torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
+        lengths=torch.cat([jt.lengths() for jt in jts]),
+        stride=sizes[0] if uniform else None,
+        stride_per_key_per_rank=None if uniform else [[s] for s in sizes],
+        length_per_key=[jt.values().shape[0] for jt in jts],
+    )
+    kjt.validate()
+    return kjt

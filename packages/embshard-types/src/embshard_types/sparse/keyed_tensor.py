@@ -1,15 +1,8 @@
 """KeyedTensor: dense per-key outputs (e.g. pooled embeddings) side by side in one tensor.
 
-``values`` holds every key's block concatenated along ``key_dim`` (typically
-``[batch, sum(dims)]`` with ``key_dim=1``); key ``k`` owns ``length_per_key[k]`` entries of
-that dimension starting at ``offset_per_key()[k]``. Per-key views are slices (no copy);
-``to_dict()`` is built once and cached. ``regroup`` gathers requested keys from several
-KeyedTensors in the requested order with one ``torch.cat`` per group, merging runs of adjacent
-keys into one slice, and keeps autograd intact.
-
-Checks happen at construction and never read tensor data: keys are distinct strings, one
-non-negative length per key, ``key_dim`` is a dimension of values, and the lengths add up to
-``values.shape[key_dim]``. ``regroup`` names any requested key that no input has.
+Key ``k`` owns ``length_per_key[k]`` entries of ``key_dim``; per-key views are slices. Checks run
+at construction and never read tensor data. ``regroup`` gathers keys from several KeyedTensors
+with one ``torch.cat`` per group and keeps autograd intact.
 """
 
 from __future__ import annotations
@@ -31,14 +24,10 @@ class KeyedTensor:
     """Per-key dense blocks concatenated along one dimension.
 
     Args:
-        keys: the keys, in the order their blocks appear (distinct).
         length_per_key: the size of each key's block along ``key_dim``.
-        values: the concatenated blocks.
-        key_dim: the dimension the blocks are concatenated along.
 
     Raises:
         ValueError: counts or sizes do not fit (the message names the key or the sizes).
-        TypeError: keys are not strings or values is not a tensor.
     """
 
     def __init__(
@@ -85,17 +74,7 @@ class KeyedTensor:
     def from_tensor_list(
         keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1, cat_dim: int = 1
     ) -> KeyedTensor:
-        """Build from one tensor per key, concatenated along ``cat_dim``.
-
-        Args:
-            keys: one key per tensor.
-            tensors: the per-key blocks; their size along ``key_dim`` is the key's length.
-            key_dim: the dimension that separates keys in the result.
-            cat_dim: the dimension to concatenate along (normally equal to ``key_dim``).
-
-        Raises:
-            ValueError: the numbers of keys and tensors differ, or there are none.
-        """
+        """Build from one tensor per key, concatenated along ``cat_dim`` (normally ``key_dim``)."""
         if len(keys) != len(tensors) or not tensors:
             raise ValueError(
                 f"{_OWNER}.from_tensor_list: got {len(keys)} keys and {len(tensors)} tensors; "
@@ -160,14 +139,9 @@ class KeyedTensor:
         Output ``i`` is the blocks of ``groups[i]``'s keys, in that order, concatenated along
         the shared ``key_dim``. A key may appear in several groups.
 
-        Args:
-            keyed_tensors: the inputs; same ``key_dim``, same sizes in every other dimension,
-                and no key in two of them.
-            groups: lists of keys to gather.
-
         Raises:
-            ValueError: no inputs, inputs that do not line up, a key held by two inputs, or a
-                requested key that no input holds (the message names it).
+            ValueError: inputs that do not line up, a key held by two inputs, or a requested
+                key that no input holds (the message names it).
         """
         if not keyed_tensors:
             raise ValueError(f"{_OWNER}.regroup: keyed_tensors is empty; give at least one")
@@ -199,17 +173,7 @@ class KeyedTensor:
     def regroup_as_dict(
         keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: Sequence[str]
     ) -> dict[str, Tensor]:
-        """``regroup`` with output ``i`` stored under ``keys[i]``.
-
-        Args:
-            keyed_tensors: as for ``regroup``.
-            groups: as for ``regroup``.
-            keys: one name per group (distinct).
-
-        Raises:
-            ValueError: the numbers of keys and groups differ, a name repeats, or ``regroup``
-                fails.
-        """
+        """``regroup`` with output ``i`` stored under ``keys[i]`` (distinct, one per group)."""
         names = check_keys(f"{_OWNER}.regroup_as_dict", keys)
         if len(names) != len(groups):
             raise ValueError(

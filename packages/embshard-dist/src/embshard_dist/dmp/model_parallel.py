@@ -1,0 +1,344 @@
+"""DistributedModelParallel: a model with its embedding modules sharded and the rest data-parallel.
+
+In order: plan (given, or :func:`~embshard_dist.planner.auto.default_plan`), check it on every
+rank before any collective (:mod:`embshard_dist.sharded.plan_checks`), check that ranks agree on
+plan and source weights, shard, then materialise and wrap the dense rest in DDP. A step on N
+ranks equals the unsharded model on the global batch with loss (1/N) sum_i L_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from embshard_dist.dmp.dense import (
+    DenseOptimizerFactory,
+    dense_named_parameters,
+    dense_optimizer_factory,
+    wrap_data_parallel,
+)
+from embshard_dist.dmp.weights import check_same_source_weights, materialize_dense, move_dense
+from embshard_dist.planner.agreement import check_plan_agreement
+from embshard_dist.planner.auto import TopologySource, default_plan
+from embshard_dist.sharded.plan_checks import check_plan
+from embshard_dist.sharded.shardable import table_shapes
+from embshard_dist.sharded.sharder import CollectionSharder
+from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
+from embshard_optim.combined import CombinedOptimizer
+from embshard_optim.fused import EmptyFusedOptimizer
+from embshard_optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
+from embshard_optim.specs import OptimizerSpec, OptimType
+from embshard_types.comm_codec import QCommCodecsRegistry
+from embshard_types.env import ShardingEnv
+from embshard_types.interfaces import ModuleSharder
+from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
+
+__all__ = ["DEFAULT_EMBEDDING_OPTIMIZER", "DistributedModelParallel"]
+
+DEFAULT_EMBEDDING_OPTIMIZER = OptimizerSpec(OptimType.SGD, learning_rate=0.01)
+"""The embedding optimizer when none is given: FBGEMM's (and TorchRec's) default."""
+
+
+class DistributedModelParallel(nn.Module):
+    """A model whose embedding modules are sharded across ranks and whose rest is data-parallel.
+
+    Args:
+        module: the model, on ``meta``, the CPU or a GPU (same weights on every rank).
+        device: the compute device (default: this rank's current GPU under NCCL, else CPU).
+        optimizer: the embedding optimizer (an ``OptimizerSpec`` or a name); default: the one
+            the model's collections were built with, else :data:`DEFAULT_EMBEDDING_OPTIMIZER`.
+        dense_optimizer: a ``torch.optim`` class, a factory ``params -> optimizer``, or
+            ``None`` for the torch optimizer of the embedding optimizer's kind.
+        qcomm_codecs_registry: codecs for the default sharders only.
+        topology: what the default plan is made for: a ``Topology``, or the path of a file
+            written by ``embshard calibrate``.
+
+    Raises:
+        ValueError: the plan does not fit, ranks disagree on plan or source weights, both
+            ``sharders`` and ``qcomm_codecs_registry`` are given, or no plan fits the tables.
+        CollectiveError: a peer died or hung during the checks or the sharding.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        env: ShardingEnv | None = None,
+        device: torch.device | str | None = None,
+        plan: ShardingPlan | None = None,
+        sharders: Sequence[ModuleSharder[Any]] | None = None,
+        *,
+        optimizer: OptimizerSpec | str | None = None,
+        dense_optimizer: type[torch.optim.Optimizer] | DenseOptimizerFactory | None = None,
+        init_data_parallel: bool = True,
+        output_dtensor: bool = False,
+        qcomm_codecs_registry: QCommCodecsRegistry | None = None,
+        topology: TopologySource | None = None,
+    ) -> None:
+        super().__init__()
+        if sharders is not None and qcomm_codecs_registry is not None:
+            raise ValueError(
+                "DistributedModelParallel: qcomm_codecs_registry only configures the default "
+                "sharders; you passed your own sharders, so give the registry to them "
+                "(EmbeddingBagCollectionSharder(qcomm_codecs_registry=...)) and drop it here"
+            )
+        self._env = _resolve_env(env, output_dtensor)
+        self._device = _resolve_device(device, self._env)
+        self._spec = _resolve_spec(optimizer, module)
+        self._sharders = (
+            list(sharders)
+            if sharders is not None
+            else _default_sharders(self._spec, qcomm_codecs_registry)
+        )
+        self._dense_factory = dense_optimizer_factory(dense_optimizer, self._spec)
+        if plan is None:
+            plan = default_plan(
+                module,
+                self._sharders,
+                self._env,
+                self._device.type,
+                optimizer=self._spec,
+                topology=topology,
+            )
+        targets = check_plan(module, plan, self._sharders, self._env, self._device.type)
+        pg = self._env.process_group
+        if pg is not None:
+            check_plan_agreement(plan, pg)
+            sources = {path: m for path, (m, _) in targets.items()}
+            check_same_source_weights(sources, pg, table_of=_table_namer(targets))
+        self._plan = plan
+        self._sharded: dict[str, nn.Module] = {}
+        for path, (source, sharder) in targets.items():
+            module_plan = cast(EmbeddingModuleShardingPlan, plan[path])
+            # The whole plan was checked above: build without re-checking.
+            if isinstance(sharder, CollectionSharder):
+                sharded = sharder.build(source, module_plan, self._env, self._device, path)
+            else:
+                sharded = sharder.shard(source, module_plan, self._env, self._device, path)
+            module = _swap(module, path, sharded)
+            self._sharded[path] = sharded
+        paths = set(self._sharded)
+        materialize_dense(module, self._device, paths)
+        move_dense(module, self._device, paths)
+        self._dense_optim: KeyedOptimizer | None = None
+        self._combined: KeyedOptimizer | None = None
+        self._fused: KeyedOptimizer | None = None
+        self._dmp_wrapped_module: nn.Module = module
+        if init_data_parallel:
+            self.init_data_parallel()
+
+    def init_data_parallel(self, **ddp_kwargs: Any) -> None:
+        """Wrap the dense rest in ``DistributedDataParallel`` (once; later calls do nothing)."""
+        if self._dmp_wrapped_module is not self.module:
+            return
+        self._dmp_wrapped_module = wrap_data_parallel(
+            self.module, set(self._sharded), self._env, self._device, **ddp_kwargs
+        )
+
+    @property
+    def module(self) -> nn.Module:
+        """The model with its sharded sub-modules, without the DDP wrapper."""
+        wrapped = self._dmp_wrapped_module
+        if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            return cast(nn.Module, wrapped.module)
+        return wrapped
+
+    @property
+    def plan(self) -> ShardingPlan:
+        return self._plan
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._env
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        """The embedding optimizer the default sharders were given."""
+        return self._spec
+
+    @property
+    def sharded_modules(self) -> Mapping[str, nn.Module]:
+        return dict(self._sharded)
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """Every sharded module's fused optimizer, named ``"{module path}.{their name}"``."""
+        if self._fused is None:
+            parts = [
+                (path, cast(KeyedOptimizer, m.fused_optimizer))
+                for path, m in self._sharded.items()
+                if hasattr(m, "fused_optimizer")
+            ]
+            self._fused = CombinedOptimizer(parts) if parts else EmptyFusedOptimizer()
+        return self._fused
+
+    @property
+    def dense_optimizer(self) -> KeyedOptimizer:
+        """The optimizer of the dense parameters (built on first use), named by parameter path."""
+        if self._dense_optim is None:
+            params = dense_named_parameters(self.module, set(self._sharded))
+            if not params:
+                self._dense_optim = EmptyFusedOptimizer()
+            else:
+                self._dense_optim = KeyedOptimizerWrapper(params, self._dense_factory)
+        return self._dense_optim
+
+    def optimizer(self) -> KeyedOptimizer:
+        """One optimizer over the fused and dense ones (tables were updated in the backward)."""
+        if self._combined is None:
+            self._combined = CombinedOptimizer([self.fused_optimizer, self.dense_optimizer])
+        return self._combined
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dmp_wrapped_module(*args, **kwargs)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The unwrapped model's parameters (local shards for sharded tables)."""
+        yield from self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Tensor]]:
+        yield from self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
+        """The unwrapped model's state dict; sharded tables are ``ShardedTensor`` / ``DTensor``."""
+        result: dict[str, Any] = self.module.state_dict(
+            destination=destination,  # type: ignore[arg-type]
+            prefix=prefix,
+            keep_vars=keep_vars,
+        )
+        return result
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load a state dict saved by :meth:`state_dict` of an equally sharded model.
+
+        Raises:
+            ValueError: with ``strict``, listing the missing and unexpected keys, before loading.
+        """
+        expected = set(self.state_dict(keep_vars=True))
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise ValueError(
+                "cannot load the state dict into DistributedModelParallel: "
+                f"missing keys {missing}, unexpected keys {unexpected}"
+            )
+        parts: dict[str, dict[str, Any]] = {path: {} for path in self._sharded}
+        rest: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            owner = _owner(key, self._sharded)
+            if owner is None:
+                rest[key] = value
+            else:
+                parts[owner][key[len(owner) + 1 :] if owner else key] = value
+        for path, sub in parts.items():
+            if sub:
+                self._sharded[path].load_state_dict(sub, strict=False)
+        if "" not in self._sharded and rest:
+            self.module.load_state_dict(rest, strict=False, assign=assign)
+        return _IncompatibleKeys(missing, unexpected)
+
+
+def _owner(key: str, sharded: Mapping[str, nn.Module]) -> str | None:
+    for path in sharded:
+        if path == "" or key.startswith(path + "."):
+            return path
+    return None
+
+
+def _resolve_env(env: ShardingEnv | None, output_dtensor: bool) -> ShardingEnv:
+    if env is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedModelParallel needs torch.distributed: call "
+                "torch.distributed.init_process_group first (or launch with `embshard train` / "
+                "torchrun), or pass env=ShardingEnv.from_local(1, 0) for a single process"
+            )
+        world = dist.group.WORLD
+        assert world is not None
+        return ShardingEnv.from_process_group(world, output_dtensor)
+    if not isinstance(env, ShardingEnv):
+        raise TypeError(f"env must be a ShardingEnv, got {type(env).__name__}")
+    if output_dtensor:
+        env.output_dtensor = True
+    return env
+
+
+def _resolve_device(device: torch.device | str | None, env: ShardingEnv) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    pg = env.process_group
+    if pg is not None and "nccl" in str(dist.get_backend(pg)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_spec(optimizer: OptimizerSpec | str | None, model: nn.Module) -> OptimizerSpec:
+    if optimizer is None:
+        # The first fused collection's optimizer, as the sharded collection itself would take.
+        for m in model.modules():
+            collection = isinstance(m, EmbeddingBagCollection | EmbeddingCollection)
+            for table in getattr(m, "_tables", ()) if collection else ():
+                if table.fused_params is not None:
+                    return cast(OptimizerSpec, table.fused_params.optimizer)
+        return DEFAULT_EMBEDDING_OPTIMIZER
+    if isinstance(optimizer, str):
+        return OptimizerSpec.from_name(optimizer)
+    if not isinstance(optimizer, OptimizerSpec):
+        raise TypeError(
+            f"optimizer must be an OptimizerSpec or an optimizer name, got {optimizer!r}; build "
+            "one with OptimizerSpec.from_name(...) or OptimizerSpec.from_torch(...)"
+        )
+    return optimizer
+
+
+def _default_sharders(
+    spec: OptimizerSpec, registry: QCommCodecsRegistry | None
+) -> list[ModuleSharder[Any]]:
+    from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
+    from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
+
+    return [
+        EmbeddingBagCollectionSharder(optimizer=spec, qcomm_codecs_registry=registry),
+        EmbeddingCollectionSharder(optimizer=spec, qcomm_codecs_registry=registry),
+    ]
+
+
+def _table_namer(targets: Mapping[str, tuple[nn.Module, ModuleSharder[Any]]]) -> Any:
+    names = {path: [s.name for s in table_shapes(m, sh)] for path, (m, sh) in targets.items()}
+
+    def table_of(path: str, key: str) -> str | None:
+        dotted = f".{key}."
+        hits = [n for n in names.get(path, ()) if f".{n}." in dotted]
+        return max(hits, key=len) if hits else None
+
+    return table_of
+
+
+def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at ``path`` in ``model``; returns the model (``new`` itself for ``""``)."""
+    if path == "":
+        return new
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, new)
+    return model
