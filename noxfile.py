@@ -1,6 +1,8 @@
 """nox sessions for embshard (uv backend).
 
-- ``lint``: ruff format check, ruff lint and mypy over every package's ``src/``.
+- ``lint``: ruff format check, ruff lint and mypy over every package's ``src/``; then the import
+  contracts (``lint-imports``, ``[tool.importlinter]`` in pyproject.toml), the import-cycle check
+  (``scripts/import_cycles.py``), the pins check (``scripts/pins.py --check``) and codespell.
 - ``tests-<package>``: one isolated environment per package, holding only that package (built as a
   wheel, not editable), its declared dependencies and the test tools; runs its tests and imports it.
   For embshard-types and embshard-optim it also proves ``fbgemm_gpu`` is neither installed nor
@@ -9,6 +11,9 @@
 - ``gpu_tests``: the same suite on CUDA / NCCL; skips (exit 0) with a message where CUDA is absent.
 - ``bench``, ``asv``, ``asv_compare``: the benchmark suites under ``benchmarks/``;
 - ``compare``, ``plan_quality``: embshard beside TorchRec 1.8.0 (W1, W2; the planners).
+- ``build``: the four wheels and sdists into ``dist/``, then each package installed alone from
+  them into a fresh virtual environment (PyPI for everything else) and imported (not a default
+  session).
 
 ``nox`` with no arguments runs lint, tests and dist_tests. Every environment is synced from
 ``uv.lock`` (``--frozen``), so sessions see exactly the locked versions.
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import nox
@@ -55,6 +62,12 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
     session.run("mypy", *sources)
+    session.run("lint-imports")
+    session.run("python", "scripts/import_cycles.py")
+    session.run("python", "scripts/pins.py", "--check")
+    docs = [d for d in ("docs",) if Path(d).is_dir()]
+    markdown = sorted(str(p) for p in Path().glob("*.md"))
+    session.run("codespell", "packages", "tests", "benchmarks", "scripts", *docs, *markdown)
 
 
 @nox.session
@@ -195,3 +208,115 @@ def plan_quality(session: nox.Session) -> None:
     if not python.exists():
         session.error("run `uv run nox -s compare -- --help` first: it builds the environment")
     session.run(str(python), "-m", "benchmarks.plan_quality.run", *session.posargs)
+
+
+# Where `nox -s build` puts the wheels and sdists, and the environments it installs them into.
+DIST = Path("dist")
+BUILD_ENVS = Path(".nox/build-envs")
+
+
+# Run inside each environment of `nox -s build`: the embshard distributions installed are exactly
+# the package and those below it, at the built versions and not editable; every module of the
+# package but ``__main__`` imports (so each import is covered by declared dependencies); FBGEMM is
+# absent from embshard-types / embshard-optim environments, and only its CPU build is present in
+# the others.
+_INSTALL_CHECK = """\
+import importlib, importlib.metadata as md, importlib.util, pkgutil, sys
+
+expected = {expected!r}
+found = {{d.metadata["Name"]: d.version for d in md.distributions()
+         if d.metadata["Name"].startswith("embshard")}}
+assert found == expected, f"embshard distributions {{found}}, expected {{expected}}"
+for name in found:
+    direct = md.distribution(name).read_text("direct_url.json") or ""
+    assert '"editable": true' not in direct, f"{{name}} is an editable install: {{direct}}"
+if {fbgemm_free!r}:
+    assert importlib.util.find_spec("fbgemm_gpu") is None, "fbgemm_gpu is installed"
+else:
+    assert md.version("fbgemm-gpu-cpu"), "fbgemm-gpu-cpu is missing"
+    try:
+        md.version("fbgemm-gpu")
+        raise SystemExit("the CUDA fbgemm-gpu is installed beside fbgemm-gpu-cpu")
+    except md.PackageNotFoundError:
+        pass
+package = importlib.import_module("{module}")
+assert package.__file__.startswith({env!r}), package.__file__
+names = [
+    m.name
+    for m in pkgutil.walk_packages(package.__path__, "{module}.")
+    if not m.name.endswith(".__main__")  # runs the command
+]
+for name in names:
+    importlib.import_module(name)
+if {fbgemm_free!r}:
+    loaded = [m for m in sys.modules if m.startswith("fbgemm")]
+    assert not loaded, f"fbgemm modules were imported: {{loaded}}"
+print(f"{module} {{found}}: installed alone from the wheels, {{len(names) + 1}} modules import")
+"""
+
+
+@nox.session(venv_backend="none")
+def build(session: nox.Session) -> None:
+    """Build the four wheels and sdists into ``dist/``, then install each package ALONE from them.
+
+    ``uv build --no-sources`` builds each sdist and the wheel from that sdist, as a release would
+    (no workspace sources). Then, per package, a fresh virtual environment under
+    ``.nox/build-envs/`` gets that package's wheel (with the ``cpu`` extra where FBGEMM is
+    needed), its embshard dependencies from the same ``dist/`` (``--find-links``), everything else
+    from PyPI: no editable install, no workspace. The session checks that exactly the expected
+    embshard distributions, at the built versions, are installed, that embshard-types and
+    embshard-optim have no ``fbgemm_gpu``, and imports the package. Not a default session.
+    """
+    started = time.monotonic()
+    DIST.mkdir(exist_ok=True)
+    for old in DIST.glob("embshard_*"):
+        old.unlink()
+    for package in PACKAGES:
+        session.run(
+            "uv", "build", "--no-sources", "--package", package, "--out-dir", str(DIST),
+            external=True,
+        )  # fmt: skip
+    wheels = {}
+    for package in PACKAGES:
+        found = sorted(DIST.glob(f"{package.replace('-', '_')}-*.whl"))
+        sdists = sorted(DIST.glob(f"{package.replace('-', '_')}-*.tar.gz"))
+        if len(found) != 1 or len(sdists) != 1:
+            session.error(
+                f"expected one wheel and one sdist of {package} in {DIST}/: {found + sdists}"
+            )
+        wheels[package] = found[0].resolve()
+    session.log(
+        f"built in {time.monotonic() - started:.0f} s: "
+        + ", ".join(w.name for w in wheels.values())
+    )
+
+    for index, package in enumerate(PACKAGES):
+        env = BUILD_ENVS / package
+        shutil.rmtree(env, ignore_errors=True)
+        session.run("uv", "venv", "--quiet", "--python", sys.executable, str(env), external=True)
+        # absolute, not resolved: the venv's python is a link to the base interpreter
+        python = str((env / "bin" / "python").absolute())
+        requirement = str(wheels[package])
+        if package in CPU_EXTRA:
+            requirement = f"{package}[{CPU_EXTRA[package]}] @ {wheels[package].as_uri()}"
+        session.run(
+            "uv", "pip", "install", "--python", python, "--find-links", str(DIST.resolve()),
+            "--only-binary", ",".join(PACKAGES),
+            requirement,
+            env={"UV_NO_CONFIG": "1"},
+            external=True,
+        )  # fmt: skip
+        expected = {p: wheels[p].name.split("-")[1] for p in PACKAGES[: index + 1]}
+        script = env / "check_install.py"
+        script.write_text(
+            _INSTALL_CHECK.format(
+                module=package.replace("-", "_"),
+                expected=expected,
+                fbgemm_free=package in FBGEMM_FREE,
+                env=str(env.absolute()),
+            )
+        )
+        session.run(python, str(script), external=True)
+    session.log(
+        f"build: 4 wheels and sdists built, each installed alone and imported in {time.monotonic() - started:.0f} s"
+    )
