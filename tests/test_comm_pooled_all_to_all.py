@@ -9,7 +9,7 @@ from _fp16_codecs import Fp16Codec, ScaledFp16Codec, roundtrip
 from _mp import run_on_ranks, test_device
 
 from embshard_dist.comm.pooled_all_to_all import PooledEmbeddingsAllToAll
-from embshard_dist.sharding.layout import boundaries
+from embshard_dist.strategies.layout import boundaries
 from embshard_types.comm_codec import QuantizedCommCodecs
 
 

@@ -1,15 +1,9 @@
-"""Autograd for collectives that are started in one place and finished in another.
+"""Autograd for collectives started in one place and finished in another, in both passes.
 
-A differentiable collective (pooled all-to-all, reduce-scatter) is split in two autograd nodes
-so that its communication overlaps with other work in both passes:
-
-* forward: ``_Start`` issues the collective and returns an empty "token" tensor; later,
-  ``_Finish`` (run by the awaitable's ``wait()``) waits and returns the output;
-* backward: ``_Finish.backward`` issues the reverse collective of the output's gradient;
-  ``_Start.backward``, run by autograd when it reaches the input, waits and returns the
-  input's gradient.
-
-An op object (:class:`SplitCollective`) holds the state of one call; it is used once.
+``_Start`` issues the forward collective and returns an empty token; ``_Finish`` (run by the
+awaitable's ``wait()``) waits and returns the output. In the backward, ``_Finish`` issues the
+reverse collective of the output's gradient and ``_Start`` waits for it. One op object
+(:class:`SplitCollective`) holds one call's state.
 """
 
 from __future__ import annotations
@@ -69,12 +63,8 @@ class _Finish(torch.autograd.Function):
 
 
 class CollectiveAwaitable(Awaitable[Tensor]):
-    """The output of a started differentiable collective; ``wait()`` finishes it.
-
-    Args:
-        op: the call's op object.
-        input: the tensor whose collective to start (autograd follows it to the output).
-    """
+    """The output of a started differentiable collective of ``input`` (autograd follows it to
+    the output) by the call's ``op``; ``wait()`` finishes it."""
 
     def __init__(self, op: SplitCollective, input: Tensor) -> None:
         super().__init__()

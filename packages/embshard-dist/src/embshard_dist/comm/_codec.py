@@ -1,9 +1,8 @@
 """Applying a quantized communication codec to the chunks of one collective.
 
-A collective's payload is a list of chunks (one per peer). Each non-empty chunk is encoded on
-its own, so a chunk's wire size depends only on its element count (``calc_quantized_size``) and
-both sides of a collective agree on it without exchanging sizes. Empty chunks are never encoded
-and take no room on the wire, whatever the codec.
+Each non-empty chunk (one per peer) is encoded on its own, so its wire size depends only on its
+element count and both sides agree on it without exchanging sizes. Empty chunks are never
+encoded and take no room on the wire.
 """
 
 from __future__ import annotations
@@ -22,12 +21,8 @@ def is_active(codec: QuantizedCommCodec[Any] | None) -> bool:
 
 
 class ChunkCodec:
-    """Encodes and decodes the chunks of one direction of one collective.
-
-    Args:
-        codec: the codec, or ``None`` to send the chunks as they are.
-        dtype: the dtype of the (decoded) payload.
-    """
+    """Encodes and decodes the chunks of one direction of one collective with ``codec``
+    (``None``: as they are); ``dtype`` is the decoded payload's."""
 
     def __init__(self, codec: QuantizedCommCodec[Any] | None, dtype: torch.dtype) -> None:
         self._codec = codec if is_active(codec) else None

@@ -1,15 +1,15 @@
 """One coded all-to-all of per-peer chunks: encode, send, and cut what arrives back into chunks.
 
-The pooled and sequence all-to-alls (and the reduce-scatter's uneven path) send one chunk per
-peer, each encoded on its own (see ``_codec``), with a single ``all_to_all_single`` whose wait
-is bounded (see ``timeouts``). Both sides know every chunk's payload size, hence its wire size,
-so no sizes travel.
+Each chunk is encoded on its own (see ``_codec``) and all travel in one ``all_to_all_single``
+with a bounded wait (see ``timeouts``). Both sides know every chunk's payload size, hence its
+wire size, so no sizes travel.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,37 @@ from torch import Tensor
 
 from embshard_dist.comm._codec import ChunkCodec
 from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where the exchanges of one collective go."""
+
+    name: str
+    """The collective's name in errors; a direction is appended (``"reduce_scatter.forward"``)."""
+    group: dist.ProcessGroup | None
+    timeout: Timeout
+
+    def all_to_all(
+        self,
+        direction: str,
+        chunks: Sequence[Tensor],
+        recv_numels: Sequence[int],
+        coder: ChunkCodec,
+        like: Tensor,
+        recv_buffer: Tensor | None = None,
+    ) -> tuple[PendingCollective, Tensor]:
+        """:func:`start_all_to_all` on this channel, named ``f"{name}.{direction}"``."""
+        return start_all_to_all(
+            f"{self.name}.{direction}",
+            chunks,
+            recv_numels,
+            coder,
+            like,
+            group=self.group,
+            timeout=self.timeout,
+            recv_buffer=recv_buffer,
+        )
 
 
 def start_all_to_all(
@@ -34,14 +65,10 @@ def start_all_to_all(
 
     Args:
         collective: the name used in errors (e.g. ``"pooled_all_to_all.forward"``).
-        chunks: the payload for each rank, in rank order.
-        recv_numels: the payload elements coming from each rank, in rank order.
+        chunks, recv_numels: the payload for each rank; the payload elements from each rank.
         coder: encodes the chunks (and sizes what arrives).
         like: a tensor on the payload's device (for an empty send).
-        group: the process group.
-        timeout: time limit of the wait.
-        recv_buffer: a flat buffer of the wire dtype to receive into (at least the total size);
-            ``None``: a new one.
+        recv_buffer: a flat wire-dtype buffer to receive into (``None``: a new one).
     """
     wire = [coder.encode(c) for c in chunks]
     send = _joined(wire)

@@ -1,29 +1,9 @@
 """Quantized communication codecs in plain torch: FP16, BF16 and INT8 row-wise.
 
-Each codec implements ``embshard_types.comm_codec.QuantizedCommCodec`` and is applied by the
-collectives to every per-peer chunk on its own (see ``embshard_dist.comm._codec``), so a chunk's
-wire size depends only on its element count (``calc_quantized_size``).
-
-* ``CastCommCodec(torch.float16 | torch.bfloat16, loss_scale=None)``: sends the payload cast to a
-  16-bit float (half the bytes of float32). FP16 clamps to its finite range (±65504) so large
-  values do not become ``inf``; ``loss_scale`` multiplies before the cast and divides after
-  decoding (keeps small gradients out of FP16's subnormal range).
-* ``Int8RowwiseCommCodec(row_dim=32)``: FBGEMM's fused 8-bit row-wise format. The flattened chunk
-  is cut into rows of ``row_dim`` consecutive elements (a *quantization* row, TorchRec's and
-  FBGEMM's ``row_dim``, default 32 as theirs; independent of the embedding width, so one codec
-  serves chunks of any width; pass the embedding dim to get one scale per embedding row when all
-  widths are equal). Each row travels as ``row_dim`` uint8 codes followed by its float32 scale
-  and bias (``row_dim + 8`` bytes); a last, shorter row of ``t = numel % row_dim`` elements
-  travels as ``t + 8`` bytes. (FBGEMM's own codec instead requires ``numel % row_dim == 0``.)
-  Since ``t + 8 < row_dim + 8`` the decoder recovers the element count from the wire length.
-  Codes are ``round_half_even((x - min) * 255 / (max - min + 1e-8))`` with scale
-  ``(max - min) / 255`` and bias ``min``, exactly FBGEMM's arithmetic, so the decoded value of
-  every element is within half a step of its row (``scale / 2``, plus at most 1e-8 from the
-  epsilon, plus float rounding) of the input, and the bytes are identical to
-  ``embshard_kernels.comm_codecs.FbgemmInt8RowwiseCommCodec``'s.
-
-Decoders return float32; the collectives cast back to the payload dtype. Inputs are expected to
-be finite. ``wire_bytes`` reports the bytes a collective hands to the wire for given chunks.
+Each implements ``QuantizedCommCodec`` and is applied to every per-peer chunk on its own, so a
+chunk's wire size depends only on its element count. INT8 sends FBGEMM's fused row-wise bytes
+(see :class:`Int8RowwiseCommCodec`), also for a last, shorter row. Decoders return float32
+(the collectives cast back); inputs must be finite. ``wire_bytes`` sizes what a collective sends.
 """
 
 from __future__ import annotations
@@ -64,14 +44,8 @@ _EPSILON = 1e-8
 
 
 def check_row_dim(row_dim: int, where: str = "Int8RowwiseCommCodec") -> int:
-    """Return ``row_dim`` if it is a positive multiple of 4, else raise ``ValueError``.
-
-    Multiples of 4 keep FBGEMM's GPU rows (padded to 4 bytes) and its CPU rows the same size.
-
-    Args:
-        row_dim: elements per quantization row.
-        where: who asks, for the error message.
-    """
+    """``row_dim`` if it is a positive multiple of 4 (FBGEMM's GPU rows, padded to 4 bytes, and
+    its CPU rows are then the same size), else ``ValueError`` naming ``where``."""
     if isinstance(row_dim, bool) or not isinstance(row_dim, int) or row_dim <= 0 or row_dim % 4:
         raise ValueError(
             f"{where}: row_dim must be a positive multiple of 4 (elements sharing one scale and "
@@ -81,7 +55,7 @@ def check_row_dim(row_dim: int, where: str = "Int8RowwiseCommCodec") -> int:
 
 
 def int8_rowwise_size(numel: int, row_dim: int) -> int:
-    """Wire bytes of ``numel`` elements in the INT8 row-wise format (see the module docstring)."""
+    """Wire bytes of ``numel`` elements in the INT8 row-wise format."""
     full, tail = divmod(numel, row_dim)
     return full * (row_dim + SCALE_BIAS_BYTES) + (tail + SCALE_BIAS_BYTES if tail else 0)
 
@@ -116,11 +90,12 @@ def _unpadded(input_tensor: Tensor) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CastCommCodec:
-    """Sends float payloads as float16 or bfloat16.
+    """Sends float payloads as float16 (clamped to its finite range) or bfloat16.
 
     Args:
         dtype: ``torch.float16`` or ``torch.bfloat16``.
-        loss_scale: multiply by this before the cast and divide after decoding (``None``: 1).
+        loss_scale: multiply by this before the cast and divide after decoding (``None``: 1;
+            keeps small gradients out of FP16's subnormal range).
 
     Raises:
         ValueError: another dtype, or a loss scale that is not a positive finite number.
@@ -194,12 +169,16 @@ def dequantize_rows(rows: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Int8RowwiseCommCodec:
-    """INT8 row-wise codec in plain torch (the format is in the module docstring).
+    """INT8 row-wise codec in plain torch, byte for byte FBGEMM's fused 8-bit row-wise format.
+
+    The flattened chunk is cut into rows of ``row_dim`` elements (independent of the embedding
+    width); each travels as ``row_dim`` uint8 codes, then its float32 scale and bias. A last row
+    of ``t < row_dim`` elements travels as ``t + 8`` bytes, so the decoder recovers the count.
+    Codes round half to even as FBGEMM's: a decoded value is within half a step of its input.
 
     Args:
-        row_dim: elements per quantization row (a positive multiple of 4). It belongs to the
-            codec, not to a per-call context, so the sender and the receiver always agree
-            (``create_context`` returns ``None``).
+        row_dim: elements per quantization row (a positive multiple of 4; FBGEMM's default 32).
+            It belongs to the codec, so sender and receiver always agree.
 
     Raises:
         ValueError: ``row_dim`` is not a positive multiple of 4.
@@ -247,15 +226,8 @@ class Int8RowwiseCommCodec:
 
 
 def wire_bytes(codec: QuantizedCommCodec[Any] | None, chunk_numels: Iterable[int]) -> int:
-    """Bytes a collective sends for chunks of these element counts, each coded on its own.
-
-    Uses the collectives' own sizing (``ChunkCodec``): empty chunks take no room, ``None`` or
-    the no-op codec sends float32.
-
-    Args:
-        codec: the codec of that direction (``None``: float32 as it is).
-        chunk_numels: element count of each chunk handed to the collective.
-    """
+    """Bytes a collective sends for chunks of ``chunk_numels`` elements, each coded on its own
+    with ``codec`` (``None`` or the no-op codec: float32); empty chunks take no room."""
     coder = ChunkCodec(codec, torch.float32)
     item = torch.empty(0, dtype=coder.wire_dtype).element_size()
     return sum(coder.wire_size(int(n)) for n in chunk_numels) * item

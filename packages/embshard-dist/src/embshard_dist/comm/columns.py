@@ -1,13 +1,8 @@
-"""Reordering the columns of pooled embeddings ``[batch, width]``, cheaply in both directions.
+"""Reordering the columns of pooled embeddings ``[batch, width]``, one copy in each direction.
 
-Output dists and the sharded collection put received feature blocks into the caller's order.
-``Tensor.index_select(1, ...)`` does that in the forward, but its backward scatters with an
-``index_add_`` along the columns, many times slower than the forward on the CPU. A
-:class:`ColumnAssembly` copies runs of consecutive columns in both directions (one copy each
-way, parts concatenated and reordered at once); :class:`ColumnOrder` is its one-part form.
-
-Guarantees: exact (values are moved, never combined); the gradient of the output is moved back
-to the input's columns; a column list that is not a permutation is refused with the reason.
+``index_select(1, ...)``'s backward scatters along the columns, slowly on the CPU; here runs of
+consecutive columns are copied both ways (parts concatenated and reordered at once). Exact:
+values are moved, never combined; a column list that is not a permutation is refused.
 """
 
 from __future__ import annotations
@@ -20,12 +15,8 @@ from torch import Tensor
 
 
 class ColumnAssembly:
-    """Several ``[batch, w_i]`` parts put side by side and reordered, in one copy each way.
-
-    Output column ``j`` is column ``columns[j]`` of the parts concatenated (``None``: in
-    order). Equivalent to ``torch.cat(parts, dim=1)[:, columns]`` but each column is
-    copied once, in the runs of consecutive columns that come from one part; the backward copies
-    the gradient's runs back into one gradient per part.
+    """Several ``[batch, w_i]`` parts put side by side and reordered, in one copy each way:
+    ``torch.cat(parts, dim=1)[:, columns]`` (``columns`` ``None``: in order).
 
     Args:
         widths: the parts' widths.
@@ -132,11 +123,7 @@ class _Assemble(torch.autograd.Function):
 
 
 class ColumnOrder:
-    """Output column ``j`` is input column ``columns[j]`` (a permutation of the input columns):
-    a one-part :class:`ColumnAssembly`.
-
-    Args:
-        columns: the permutation.
+    """Output column ``j`` is input column ``columns[j]``: a one-part :class:`ColumnAssembly`.
 
     Raises:
         ValueError: ``columns`` is not a permutation of ``range(len(columns))``.

@@ -1,31 +1,9 @@
 """All-to-all of KeyedJaggedTensors: every rank gets, for its keys, the bags of every rank.
 
-The input KJT of each rank has its keys already grouped by destination: ``splits[r]`` keys
-(contiguous, in order) go to rank ``r``; every rank passes the same keys and ``splits``. Rank
-``r`` receives, for each of its keys, the lengths / values / weights of every source rank and
-returns a KJT with those keys whose batch, for each key, is the source ranks' batches
-concatenated in source-rank order (``stagger`` changes that order as TorchRec's does).
-
-Two phases, as in TorchRec:
-
-1. ``KJTAllToAll(kjt)`` starts an all-to-all of a small int64 header per peer (per-key batch
-   sizes and id counts, weightedness, dtypes and a checksum of keys and splits) and returns a
-   ``KJTAllToAllSplitsAwaitable``;
-2. its ``wait()`` checks that the ranks agree, starts the all-to-alls of lengths, values and
-   (if any) weights, and returns a ``KJTAllToAllTensorsAwaitable``, whose ``wait()`` returns the
-   received KJT.
-
-Guarantees:
-    * exact: ids, lengths and weights arrive bit for bit, within-bag order kept;
-    * batch sizes may differ per source rank; the result is a plain KJT with
-      ``stride = sum of the sources' strides`` unless some source's KJT has a variable stride
-      per key, in which case the result has ``stride_per_key_per_rank[k][i]`` = key ``k``'s
-      batch size on the ``i``-th source (in source order);
-    * disagreement between ranks on keys, splits, weightedness or dtypes raises the same
-      ``ValueError`` on every rank in phase 1 (so no rank is left waiting);
-    * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
-      ``CollectiveError`` naming ``kjt_all_to_all.splits`` / ``.lengths`` / ``.values`` /
-      ``.weights``.
+Every rank passes the same keys, grouped by destination (``splits[r]`` keys for rank ``r``). Two
+phases, as in TorchRec: a small header per peer (sizes, dtypes, a checksum of keys and splits),
+then lengths, ids and weights, bit for bit, each key's batch the sources' in ``source_order``.
+Ranks that disagree all raise the same ``ValueError`` after phase 1; waits are bounded.
 """
 
 from __future__ import annotations
@@ -53,13 +31,9 @@ _FIXED = 7
 def source_order(world_size: int, stagger: int = 1) -> list[int]:
     """The order in which source ranks' samples are concatenated for each received key.
 
-    With ``stagger = 1`` it is ``0, 1, ..., W-1``; otherwise (TorchRec's staggered order, used
-    when ranks are grouped by node) ``x + (W // stagger) * y`` for ``x`` in
-    ``range(W // stagger)``, then ``y`` in ``range(stagger)``.
-
-    Args:
-        world_size: number of ranks ``W``.
-        stagger: a divisor of ``W``.
+    ``0, 1, ..., W-1`` for ``stagger = 1``; otherwise TorchRec's staggered order (ranks grouped
+    by node): ``x + (W // stagger) * y`` for ``x`` in ``range(W // stagger)``, then ``y`` in
+    ``range(stagger)``.
 
     Raises:
         ValueError: ``stagger`` does not divide ``world_size``.
@@ -116,17 +90,15 @@ def _to_key_major(data: Tensor, sizes: list[list[int]], order: list[int]) -> Ten
 class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
     """Phase 2: lengths, values and weights in flight; ``wait()`` returns the received KJT.
 
+    A plain KJT whose stride is the sum of the sources' strides, unless some source had a
+    variable stride per key: then ``stride_per_key_per_rank[k][i]`` is key ``k``'s batch on the
+    ``i``-th source in ``order``.
+
     Args:
-        pending: the issued collectives (lengths, values, then weights if any; or, when
-            ``combined``, one for lengths and values, then weights if any).
-        buffers: their receive buffers, in the same order.
-        keys: this rank's keys.
-        strides: ``strides[s][k]``: batch size of key ``k`` sent by source ``s``.
-        counts: ``counts[s][k]``: number of ids of key ``k`` sent by source ``s``.
-        order: source order for the result (see ``source_order``).
-        variable_stride: whether some source had a variable stride per key.
+        pending: the issued collectives (lengths and values, in one when ``combined``, then
+            weights if any); ``buffers``: their receive buffers, in the same order.
+        strides, counts: ``[s][k]``: batch size and id count of key ``k`` from source ``s``.
         source_strides: each source's ``stride()``.
-        combined: whether each source sent its lengths then its ids in one message.
     """
 
     def __init__(
@@ -337,7 +309,7 @@ class KJTAllToAll(nn.Module):
         pg: the process group (``None``: the default group).
         splits: number of keys sent to each rank, in rank order (same on every rank).
         stagger: source order of the result (see ``source_order``); 1 for rank order.
-        timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+        timeout: time limit of each wait (seconds; ``None``: the policy of ``timeouts``).
 
     Raises:
         ValueError: ``splits`` does not have one non-negative count per rank.
@@ -373,10 +345,7 @@ class KJTAllToAll(nn.Module):
         return list(self._splits)
 
     def forward(self, input: KeyedJaggedTensor) -> KJTAllToAllSplitsAwaitable:
-        """Start phase 1 for ``input``.
-
-        Args:
-            input: this rank's KJT, keys grouped by destination rank as ``splits`` says.
+        """Start phase 1 for ``input``, this rank's KJT with keys grouped as ``splits`` says.
 
         Raises:
             ValueError: the KJT does not have ``sum(splits)`` keys.

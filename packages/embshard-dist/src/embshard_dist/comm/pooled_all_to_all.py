@@ -1,26 +1,10 @@
 """All-to-all of pooled embeddings: from "my tables, everyone's batch" to "my batch, all tables".
 
-After the input all-to-all, rank ``s`` holds pooled embeddings of *its* tables (``D_s`` columns
-in all, ``dim_sum_per_rank[s]``) for the samples of *every* rank, stacked by source rank:
-``[B_0 + ... + B_{W-1}, D_s]``. This collective sends to rank ``r`` the rows of rank ``r``'s
-samples; rank ``r`` receives ``[B_r, D_s]`` from every ``s`` and concatenates them along the
-columns in rank order: ``[B_r, D_0 + ... + D_{W-1}]`` (or in the order ``columns`` gives).
-
-Guarantees:
-    * exact: without a codec the output holds the very bits of the input rows; columns come in
-      source-rank order, rows in the order they were sent;
-    * differentiable: the backward pass is the reverse all-to-all of the output's gradient
-      (each source rank gets back the gradient of the rows it sent);
-    * codecs: ``codecs.forward`` encodes what is sent in the forward pass and decodes what
-      arrives, ``codecs.backward`` does the same for gradients; each per-peer chunk is coded on
-      its own (see ``_codec``); the first and the last rank code and decode their own rows
-      (forward) and their own rows' gradient (backward) in place instead of sending them to
-      themselves, so the values are those of a round trip and nothing is copied through the
-      backend for them;
-    * batch sizes may differ per rank (``batch_size_per_rank``), ranks may hold no tables
-      (``D_s = 0``);
-    * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
-      ``CollectiveError`` naming ``pooled_all_to_all.forward`` or ``.backward``.
+Rank ``s`` holds pooled embeddings of its tables (``D_s`` columns) for every rank's samples,
+``[B_0 + ... + B_{W-1}, D_s]`` stacked by the samples' rank. Rank ``r`` gets its samples' rows
+from every ``s``, side by side in rank order (or as ``columns`` says): ``[B_r, sum(D)]``. The
+backward pass sends each gradient block back. Exact without a codec (codecs code each block on
+its own); batches may differ per rank; ``dispatch`` picks the exchanges; waits are bounded.
 """
 
 from __future__ import annotations
@@ -31,11 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from embshard_dist.comm import dispatch
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
 from embshard_dist.comm._codec import ChunkCodec
-from embshard_dist.comm._exchange import decode_chunks, join_rows, start_all_to_all
+from embshard_dist.comm._exchange import Channel
+from embshard_dist.comm.algorithms.pooled_all_to_all import PooledAllToAll
 from embshard_dist.comm.columns import ColumnAssembly
-from embshard_dist.comm.timeouts import PendingCollective, Timeout
+from embshard_dist.comm.timeouts import Timeout
 from embshard_kernels.workspace import BufferPool
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
@@ -44,139 +30,68 @@ NAME = "pooled_all_to_all"
 
 
 class _PooledAllToAllOp:
-    """One call: forward sends rows to their batch's rank, backward sends gradients back."""
+    """One call: forward sends rows to their batch's rank, backward sends gradients back.
+
+    The module's pool lends the forward's receive buffer (the assembly copies out of it) and
+    the backward's send buffer; the backward's receive buffer is the gradient handed on.
+    """
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None,
+        channel: Channel,
+        algorithm: PooledAllToAll,
         rank: int,
         dim_sum_per_rank: list[int],
         batch_size_per_rank: list[int],
         codecs: QuantizedCommCodecs | None,
-        timeout: Timeout,
         assembly: ColumnAssembly,
         pool: BufferPool,
         grad_scale: float,
     ) -> None:
-        self._grad_scale = grad_scale
-        self._assembly = assembly
-        self._pool = pool
-        self._lent: Tensor | None = None
-        self._group = group
+        self._channel = channel
+        self._algorithm = algorithm
         self._rank = rank
         self._dims = dim_sum_per_rank
         self._batches = batch_size_per_rank
         self._codecs = codecs
-        self._timeout = timeout
-        self._pending: PendingCollective | None = None
-        self._recv: Tensor | None = None
-        self._coder: ChunkCodec | None = None
-        self._recv_shapes: list[tuple[int, int]] = []
-        self._own: Tensor | None = None  # the forward's own rows, when they skip the backend
-        self._grad: Tensor | None = None  # the backward's gradient, when its own rows skip it
-        self._grad_rest: Tensor | None = None  # where the other ranks' rows go in it
-
-    def _exchange(
-        self,
-        chunks: Sequence[Tensor],
-        recv_shapes: list[tuple[int, int]],
-        coder: ChunkCodec,
-        direction: str,
-        like: Tensor,
-        recv_buffer: Tensor | None = None,
-    ) -> None:
-        self._pending, self._recv = start_all_to_all(
-            f"{NAME}.{direction}",
-            chunks,
-            [b * d for b, d in recv_shapes],
-            coder,
-            like,
-            group=self._group,
-            timeout=self._timeout,
-            recv_buffer=recv_buffer,
-        )
-        self._coder, self._recv_shapes = coder, recv_shapes
-
-    def _received(self) -> list[Tensor]:
-        assert self._pending is not None and self._recv is not None and self._coder is not None
-        self._pending.wait()
-        out = decode_chunks(self._recv, self._coder, self._recv_shapes)
-        self._pending = self._recv = self._coder = None
-        return out
-
-    # The forward's receive buffer and the backward's send buffer are lent by the module's
-    # pool: what arrives in the forward is copied out by the assembly, what the backward sends
-    # is done with once the exchange completes. The backward's receive buffer becomes the
-    # gradient handed on, so it is always new.
+        self._assembly = assembly
+        self._pool = pool
+        self._grad_scale = grad_scale
+        self._lent: Tensor | None = None
+        self._received: Callable[[], list[Tensor]] | None = None
+        self._gradient: Callable[[], Tensor] | None = None
 
     def start_forward(self, input: Tensor) -> None:
-        chunks = list(input.split(self._batches, dim=0))
         coder = ChunkCodec(self._codecs.forward if self._codecs else None, input.dtype)
-        me, batch = self._rank, self._batches[self._rank]
-        recv_shapes = [(batch, d) for d in self._dims]
-        self._own = None
-        if me in (0, len(chunks) - 1) and len(chunks) > 1:
-            # this rank's own rows stay here (coded and decoded in place when there is a codec,
-            # as if they had travelled): the others' rows are then one block of the input,
-            # sent as it is (no copy of it, nor of the own rows, through the backend)
-            own = chunks[me]  # without a codec, both steps are views: nothing is copied
-            self._own = coder.decode(coder.encode(own), (own.shape[0], own.shape[1]))
-            at = sum(self._batches[:me]) + (batch if me == 0 else 0)
-            chunks[me] = input[at:at]
-            recv_shapes[me] = (0, self._dims[me])
-        numel = sum(coder.wire_size(b * d) for b, d in recv_shapes)
-        self._lent = self._pool.lend(numel, coder.wire_dtype, input.device)
-        self._exchange(chunks, recv_shapes, coder, "forward", input, self._lent)
+        self._received, self._lent = self._algorithm.forward(
+            self._channel, input, self._batches, self._dims, self._rank, coder, self._pool
+        )
 
     def finish_forward(self) -> Tensor:
-        parts = self._received()
-        if self._own is not None:
-            parts[self._rank], self._own = self._own, None
-        out = self._assembly.assemble(parts)
+        assert self._received is not None
+        received, self._received = self._received, None
+        out = self._assembly.assemble(received())
         self._return_lent()
         return out
 
     def start_backward(self, grad_output: Tensor) -> None:
         self._lent = self._pool.lend(grad_output.numel(), grad_output.dtype, grad_output.device)
         coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
-        me, world, width = self._rank, len(self._batches), self._dims[self._rank]
-        recv_shapes = [(b, width) for b in self._batches]
-        self._grad = None
-        if me in (0, world - 1) and world > 1:
-            # the gradient of this rank's own rows is cut straight into its place in the
-            # gradient handed on (coded and decoded in place when there is a codec, as if it
-            # had travelled); the other ranks' rows arrive around it, in one block
-            self._grad = grad_output.new_empty(sum(self._batches), width)
-            start = sum(self._batches[:me])
-            own = self._grad[start : start + self._batches[me]]
-            chunks = self._assembly.split(grad_output, self._lent, self._grad_scale, (me, own))
-            if not coder.passthrough:
-                own.copy_(coder.decode(coder.encode(own), (own.shape[0], width)))
-            # an empty own chunk where the others' block starts (first rank) or ends (last)
-            at = 0 if me == 0 else sum(c.numel() for r, c in enumerate(chunks) if r != me)
-            chunks[me] = self._lent[at:at]
-            recv_shapes[me] = (0, width)
-            flat = self._grad.view(-1)
-            rest = flat[own.numel() :] if me == 0 else flat[: start * width]
-            # without a codec the others' rows land in place; with one they are decoded there
-            into = rest if coder.passthrough else None
-            self._exchange(chunks, recv_shapes, coder, "backward", grad_output, into)
-            self._grad_rest = rest
-            return
-        chunks = self._assembly.split(grad_output, self._lent, self._grad_scale)
-        self._exchange(chunks, recv_shapes, coder, "backward", grad_output)
+        self._gradient = self._algorithm.backward(
+            self._channel,
+            grad_output,
+            self._batches,
+            self._rank,
+            coder,
+            self._assembly,
+            self._grad_scale,
+            self._lent,
+        )
 
     def finish_backward(self) -> Tensor:
-        if self._grad is not None:
-            assert self._coder is not None and self._grad_rest is not None
-            passthrough, rest = self._coder.passthrough, self._grad_rest
-            parts = self._received()
-            if not passthrough:
-                torch.cat([p.reshape(-1) for p in parts], out=rest)
-            out, self._grad, self._grad_rest = self._grad, None, None
-            self._return_lent()
-            return out
-        out = join_rows(self._received())
+        assert self._gradient is not None
+        gradient, self._gradient = self._gradient, None
+        out = gradient()
         self._return_lent()
         return out
 
@@ -192,15 +107,14 @@ class PooledEmbeddingsAllToAll(nn.Module):
     Args:
         pg: the process group (``None``: the default group).
         dim_sum_per_rank: total embedding width each rank contributes, in rank order.
-        device: unused on CPU; kept for TorchRec's signature (tensors stay on their device).
+        device: unused; kept for TorchRec's signature (tensors stay on their device).
         callbacks: functions applied in order to the output when it is waited for.
         codecs: forward / backward codecs for the payload (``None``: sent as it is).
-        timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
-        columns: if given, the output's column order: output column ``j`` is column
-            ``columns[j]`` of the received blocks side by side (applied while the blocks are
-            put together, no extra copy).
+        timeout: time limit of each wait (seconds; ``None``: the policy of ``timeouts``).
+        columns: output column ``j`` is column ``columns[j]`` of the received blocks side by
+            side (applied while they are put together).
         grad_scale: the backward sends ``grad_scale`` times the output's gradient (scaled
-            while it is cut into per-rank chunks, no extra pass; e.g. the 1/N rule).
+            while it is cut per rank; e.g. the 1/N rule).
 
     Raises:
         ValueError: ``dim_sum_per_rank`` does not have one non-negative width per rank, or
@@ -231,6 +145,8 @@ class PooledEmbeddingsAllToAll(nn.Module):
             )
         self._dim_sum_per_rank = dims
         self._assembly = ColumnAssembly(dims, columns)
+        self._algorithm = dispatch.pooled_all_to_all(self._world, self._rank)
+        self._channel = Channel(NAME, pg, timeout)
         self._pool = BufferPool()
         self._device = device
         self._callbacks = list(callbacks or [])
@@ -258,12 +174,12 @@ class PooledEmbeddingsAllToAll(nn.Module):
         """
         batches = self._batch_sizes(local_embs, batch_size_per_rank)
         op = _PooledAllToAllOp(
-            self._pg,
+            self._channel,
+            self._algorithm,
             self._rank,
             self._dim_sum_per_rank,
             batches,
             self._codecs,
-            self._timeout,
             self._assembly,
             self._pool,
             self._grad_scale,

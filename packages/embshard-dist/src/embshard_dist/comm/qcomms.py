@@ -1,18 +1,9 @@
-"""Choosing quantized comms codecs per collective and per direction (TorchRec's ``QCommsConfig``).
+"""Choosing quantized comms codecs per collective and direction (TorchRec's ``QCommsConfig``).
 
-``get_qcomm_codecs(forward="fp16", backward="bf16")`` builds the ``QuantizedCommCodecs`` of one
-collective; ``get_qcomm_codecs_registry({CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL: ("fp16", "bf16"),
-...})`` builds the registry the sharded modules read (keyed by ``CommOp`` value). Precisions are
-``CommsPrecision`` members or their strings: ``fp32`` (no codec), ``fp16``, ``bf16`` (plain torch
-casts) and ``int8`` (row-wise, see ``embshard_dist.comm.codecs``).
-
-INT8 backends: ``"fbgemm"`` uses FBGEMM's quantize ops (``embshard_kernels.comm_codecs``),
-``"torch"`` the pure-torch codec, ``"auto"`` (default) FBGEMM where its ops run on ``device`` and
-torch elsewhere. Both send the same bytes, so ranks may even differ in backend.
-
-Guarantees: every bad choice (unknown comm op or precision, a loss scale on a precision that has
-none, a bad ``row_dim``, INT8 on FBGEMM where its ops do not run) raises a ``ValueError`` naming
-the comm op and the direction, before any codec is built.
+``get_qcomm_codecs`` builds one collective's codecs, ``get_qcomm_codecs_registry`` the registry
+the sharded modules read (keyed by ``CommOp`` value). Precisions: fp32 (none), fp16, bf16, int8
+(FBGEMM's ops or plain torch, the same bytes; ``"auto"``: FBGEMM where it runs). Every bad
+choice raises a ``ValueError`` naming the comm op and the direction, before any codec is built.
 """
 
 from __future__ import annotations
@@ -223,15 +214,11 @@ def get_qcomm_codecs(
     Args:
         forward: precision of the forward payload.
         backward: precision of the backward gradients.
-        forward_loss_scale: see ``QCommsConfig``.
-        backward_loss_scale: see ``QCommsConfig``.
+        forward_loss_scale, backward_loss_scale: see ``QCommsConfig``.
         row_dim: INT8 elements per scale and bias (a positive multiple of 4).
         int8_backend: ``"auto"``, ``"fbgemm"`` or ``"torch"`` (see the module docstring).
         device: where the payloads live (decides whether FBGEMM's INT8 ops can run).
         comm_op: the collective these are for, named in error messages.
-
-    Raises:
-        ValueError: see the module docstring.
     """
     op = CommOp.parse(comm_op, what="get_qcomm_codecs").value if comm_op is not None else None
     fwd, bwd = _parse(forward, backward, forward_loss_scale, backward_loss_scale, row_dim, op)

@@ -1,24 +1,10 @@
 """Reduce-scatter of pooled embeddings: partial sums for the global batch -> my batch's sums.
 
-With row-wise sharding every rank computes partial pooled sums over its rows for the samples of
-*every* rank: ``[B_0 + ... + B_{W-1}, D]``, stacked by the rank owning the samples. This
-collective sums those partials over ranks and leaves rank ``r`` with ``[B_r, D]``. Its
-backward pass is the all-gather of the output's gradient.
-
-Guarantees:
-    * two paths, chosen identically on every rank: on a backend other than gloo, when every
-      rank has the same batch size and no forward codec is active, ``reduce_scatter_single``
-      does the sum (its summation order is the backend's); otherwise (gloo, whose
-      reduce-scatter moves the whole tensor and measured ~15% slower on a row-wise W2 step,
-      uneven batches, or a codec) each rank sends every other rank its rows with an
-      all-to-all, decodes them and sums them **in rank order** (rank 0's partial + rank 1's
-      + ...): exact with respect to that order and deterministic;
-    * backward: an all-gather of the gradient (sent as an all-to-all on the CPU, see
-      ``gather``), padded to the largest batch when batches are uneven; with a backward codec
-      each rank's (padded) gradient is encoded before and decoded after the exchange;
-    * works on gloo (CPU), where ``reduce_scatter`` of uneven sizes is not available;
-    * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
-      ``CollectiveError`` naming ``reduce_scatter.forward`` or ``.backward``.
+With row-wise sharding every rank holds partial pooled sums for the samples of *every* rank,
+``[B_0 + ... + B_{W-1}, D]`` stacked by the samples' rank; rank ``r`` gets their sum over
+ranks, ``[B_r, D]``. The backward pass all-gathers the output's gradient. Batches may differ
+per rank; codecs code each rank's block on its own; ``dispatch`` picks the algorithm (rank-order
+sums wherever the backend does not sum). Waits are bounded (see ``timeouts``).
 """
 
 from __future__ import annotations
@@ -29,11 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from embshard_dist.comm import dispatch
 from embshard_dist.comm._async_autograd import CollectiveAwaitable
-from embshard_dist.comm._codec import ChunkCodec, is_active
-from embshard_dist.comm._exchange import decode_chunks, join_rows, start_all_to_all
+from embshard_dist.comm._codec import ChunkCodec
+from embshard_dist.comm._exchange import Channel, decode_chunks, join_rows
 from embshard_dist.comm.gather import PendingGather, start_all_gather
-from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+
+# tests/test_qcomm_training.py swaps this module's ``dist`` and ``issue`` to count bytes
+from embshard_dist.comm.timeouts import Timeout, issue  # noqa: F401
 from embshard_types.awaitables import Awaitable
 from embshard_types.comm_codec import QuantizedCommCodecs
 
@@ -45,88 +34,38 @@ class _ReduceScatterOp:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None,
+        channel: Channel,
         rank: int,
         batch_size_per_rank: list[int],
         codecs: QuantizedCommCodecs | None,
-        timeout: Timeout,
-        on_gloo: bool,
+        backend: str,
         grad_scale: float,
     ) -> None:
-        self._grad_scale = grad_scale
-        self._group = group
+        self._channel = channel
         self._rank = rank
         self._batches = batch_size_per_rank
         self._world = len(batch_size_per_rank)
         self._codecs = codecs
-        self._timeout = timeout
-        self._native = len(set(batch_size_per_rank)) == 1 and not on_gloo
-        self._pending: PendingCollective | PendingGather | None = None
-        self._recv: Tensor | None = None
-        self._coder: ChunkCodec | None = None
+        self._backend = backend
+        self._grad_scale = grad_scale
         self._dim = 0
-        self._summed_by_backend = False
-
-    def _issue(
-        self, direction: str, start: Callable[[], dist.Work | None], device: torch.device
-    ) -> None:
-        self._pending = issue(
-            f"{NAME}.{direction}", start, group=self._group, timeout=self._timeout, device=device
-        )
-
-    # ---- forward: reduce-scatter -----------------------------------------------------------
+        self._summed: Callable[[], Tensor] | None = None
+        self._gathered: tuple[PendingGather, Tensor, ChunkCodec] | None = None
 
     def start_forward(self, input: Tensor) -> None:
         self._dim = input.shape[1]
-        forward_codec = self._codecs.forward if self._codecs else None
-        coder = ChunkCodec(forward_codec, input.dtype)
-        self._coder = coder
-        if self._native and not is_active(forward_codec):
-            out = input.new_empty(self._batches[self._rank], self._dim)
-            send = input.contiguous()
-            self._recv = out
-            self._summed_by_backend = True
-            self._issue(
-                "forward",
-                lambda: dist.reduce_scatter_single(out, send, group=self._group, async_op=True),
-                input.device,
-            )
-            return
-        self._pending, self._recv = start_all_to_all(
-            f"{NAME}.forward",
-            input.split(self._batches, dim=0),
-            [self._batches[self._rank] * self._dim] * self._world,
-            coder,
-            input,
-            group=self._group,
-            timeout=self._timeout,
-        )
+        codec = self._codecs.forward if self._codecs else None
+        algorithm = dispatch.reduce_scatter(self._backend, self._batches, codec)
+        coder = ChunkCodec(codec, input.dtype)
+        self._summed = algorithm(self._channel, input, self._batches, self._rank, coder)
 
     def finish_forward(self) -> Tensor:
-        assert self._pending is not None and self._recv is not None and self._coder is not None
-        self._pending.wait()
-        recv, coder = self._recv, self._coder
-        self._pending = self._recv = self._coder = None
-        if self._summed_by_backend:
-            return recv
-        shape = (self._batches[self._rank], self._dim)
-        parts = [
-            coder.decode(p, shape)
-            for p in recv.split([coder.wire_size(shape[0] * shape[1])] * self._world)
-        ]
-        if len(parts) == 1:
-            return parts[0].clone()
-        total = torch.add(parts[0], parts[1])
-        for part in parts[2:]:
-            total += part
-        return total
-
-    # ---- backward: all-gather --------------------------------------------------------------
+        assert self._summed is not None
+        summed, self._summed = self._summed, None
+        return summed()
 
     def start_backward(self, grad_output: Tensor) -> None:
-        backward_codec = self._codecs.backward if self._codecs else None
-        coder = ChunkCodec(backward_codec, grad_output.dtype)
-        self._coder = coder
+        coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
         padded_rows = max(self._batches)
         grad = grad_output
         if grad.shape[0] < padded_rows:
@@ -134,16 +73,15 @@ class _ReduceScatterOp:
             grad = torch.cat([grad, pad])
         send = coder.encode(grad)
         recv = send.new_empty(self._world * send.numel())
-        self._recv = recv
-        self._pending = start_all_gather(
-            f"{NAME}.backward", recv, send, group=self._group, timeout=self._timeout
+        pending = start_all_gather(
+            f"{NAME}.backward", recv, send, group=self._channel.group, timeout=self._channel.timeout
         )
+        self._gathered = pending, recv, coder
 
     def finish_backward(self) -> Tensor:
-        assert self._pending is not None and self._recv is not None and self._coder is not None
-        self._pending.wait()
-        recv, coder = self._recv, self._coder
-        self._pending = self._recv = self._coder = None
+        assert self._gathered is not None
+        (pending, recv, coder), self._gathered = self._gathered, None
+        pending.wait()
         padded = (max(self._batches), self._dim)
         chunks = decode_chunks(recv, coder, [padded] * self._world)
         rows = [c[:b] for c, b in zip(chunks, self._batches, strict=True)]
@@ -157,9 +95,9 @@ class PooledEmbeddingsReduceScatter(nn.Module):
     Args:
         pg: the process group (``None``: the default group).
         codecs: forward / backward codecs for the payload (``None``: sent as it is).
-        timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+        timeout: time limit of each wait (seconds; ``None``: the policy of ``timeouts``).
         grad_scale: the backward returns ``grad_scale`` times the gathered gradient (scaled in
-            its own buffer, no extra tensor; e.g. the 1/N rule).
+            its own buffer; e.g. the 1/N rule).
     """
 
     def __init__(
@@ -173,10 +111,10 @@ class PooledEmbeddingsReduceScatter(nn.Module):
         self._pg = pg
         self._world = dist.get_world_size(pg)
         self._rank = dist.get_rank(pg)
-        self._on_gloo = "gloo" in str(dist.get_backend(pg)).lower()
+        self._backend = dispatch.backend_of(pg)
+        self._channel = Channel(NAME, pg, timeout)
         self._grad_scale = float(grad_scale)
         self._codecs = codecs
-        self._timeout = timeout
 
     def forward(
         self, local_embs: Tensor, input_splits: Sequence[int] | None = None
@@ -213,12 +151,6 @@ class PooledEmbeddingsReduceScatter(nn.Module):
                     f"sizes adding up to the {rows} rows of local_embs"
                 )
         op = _ReduceScatterOp(
-            self._pg,
-            self._rank,
-            splits,
-            self._codecs,
-            self._timeout,
-            self._on_gloo,
-            self._grad_scale,
+            self._channel, self._rank, splits, self._codecs, self._backend, self._grad_scale
         )
         return CollectiveAwaitable(op, local_embs)

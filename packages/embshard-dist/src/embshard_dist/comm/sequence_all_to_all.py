@@ -1,27 +1,9 @@
 """All-to-all of sequence embeddings: rows of looked-up ids back to the ranks whose ids they are.
 
-After the input all-to-all, rank ``s`` looked up ids that came from every rank. This collective
-sends to rank ``r`` the ``input_splits[r]`` leading entries of ``local_embs`` that belong to
-rank ``r`` (the input is already ordered by destination: first the entries for rank 0, then
-rank 1...), and rank ``r`` receives ``output_splits[s]`` entries from every ``s`` and stacks
-them in source-rank order. Entries are the leading dimension of the tensor: rows of a
-``[ids, dim]`` tensor, or elements of a flat 1-D payload (which lets rows of different widths
-travel together; the sharded sequence collections send flat payloads).
-
-Every rank must pass splits that agree: ``input_splits[r]`` on rank ``s`` equals
-``output_splits[s]`` on rank ``r``, and the trailing shape (``local_embs.shape[1:]``) is the
-same on every rank. (TorchRec's ``SequenceEmbeddingsAllToAll`` also permutes the rows; here the
-permutations live in the output dists, which know the features' layout.)
-
-Guarantees:
-    * exact: without a codec the output holds the very bits of the input entries, in the
-      order they were sent;
-    * differentiable: the backward pass is the reverse all-to-all of the output's gradient;
-    * codecs: ``codecs.forward`` encodes what is sent in the forward pass and decodes what
-      arrives, ``codecs.backward`` the same for gradients; each per-peer chunk is coded on its
-      own (see ``_codec``), so empty chunks cost nothing;
-    * timeouts: every wait is bounded (see ``timeouts``); a dead or hung peer raises
-      ``CollectiveError`` naming ``sequence_all_to_all.forward`` or ``.backward``.
+Rank ``s`` sends the leading ``input_splits[r]`` entries (rows, or elements of a flat payload)
+to each rank ``r`` in order; rank ``r`` stacks what arrives in source-rank order. Splits must
+agree across ranks. Exact without a codec (codecs code each chunk on its own); the backward
+is the reverse all-to-all; waits are bounded. Permutations live in the output dists.
 """
 
 from __future__ import annotations
@@ -116,13 +98,13 @@ class _SequenceAllToAllOp:
 
 
 class SequenceEmbeddingsAllToAll(nn.Module):
-    """All-to-all of sequence embeddings (see the module docstring for the layout).
+    """All-to-all of sequence embeddings (see the module docstring).
 
     Args:
         pg: the process group (``None``: the default group).
-        device: unused on CPU; kept for TorchRec's signature (tensors stay on their device).
+        device: unused; kept for TorchRec's signature (tensors stay on their device).
         codecs: forward / backward codecs for the payload (``None``: sent as it is).
-        timeout: time limit of each wait (seconds); ``None`` uses the policy of ``timeouts``.
+        timeout: time limit of each wait (seconds; ``None``: the policy of ``timeouts``).
     """
 
     def __init__(
@@ -147,8 +129,7 @@ class SequenceEmbeddingsAllToAll(nn.Module):
 
         Args:
             local_embs: ``[sum(input_splits), ...]``: the entries for rank 0, then rank 1...
-            input_splits: entries sent to each rank.
-            output_splits: entries received from each rank.
+            input_splits, output_splits: entries sent to / received from each rank.
 
         Raises:
             ValueError: the splits do not list one non-negative count per rank, or

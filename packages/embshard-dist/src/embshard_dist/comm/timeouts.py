@@ -1,20 +1,10 @@
 """Collective timeouts and the one error every failed collective becomes.
 
-Every collective embshard issues goes through :func:`issue` and :meth:`PendingCollective.wait`,
-so that a dead or hung peer never hangs the caller:
-
-* the time limit of one wait is, in order of precedence, the ``timeout`` passed to the call,
-  the environment variable ``EMBSHARD_COLLECTIVE_TIMEOUT_S`` (seconds, read at each call),
-  and :data:`DEFAULT_COLLECTIVE_TIMEOUT_S` (120 s);
-* on CPU tensors (gloo) the wait blocks the host for at most that limit; a peer that died makes
-  gloo raise at once (connection closed / reset) and a peer that hangs makes it time out: both
-  surface as :class:`CollectiveError`, naming the collective, this rank and the process group;
-* on accelerator tensors (NCCL) the wait only orders the current stream after the collective,
-  as NCCL's own ``wait()`` does; there the process group's own timeout, given to
-  ``init_process_group``, bounds a hang (NCCL's watchdog aborts the communicator).
-
-After a :class:`CollectiveError` the process group is in an undefined state: the only safe thing
-to do is to report the error and end the process (or destroy the group).
+Every collective is issued by :func:`issue` and waited for by :meth:`PendingCollective.wait`. On
+the CPU (gloo) a wait blocks at most the limit (the call's ``timeout``, else
+``EMBSHARD_COLLECTIVE_TIMEOUT_S``, else 120 s); a dead or hung peer raises
+:class:`CollectiveError`. On accelerators the wait orders the stream; the group's own timeout
+(NCCL's watchdog) bounds a hang. After the error the group is unusable: report it and exit.
 """
 
 from __future__ import annotations
@@ -39,11 +29,8 @@ Timeout = float | int | timedelta | None
 
 
 def collective_timeout(timeout: Timeout = None) -> timedelta:
-    """Resolve the time limit of one collective.
-
-    Args:
-        timeout: the per-call limit (seconds or ``timedelta``); ``None`` reads
-            ``EMBSHARD_COLLECTIVE_TIMEOUT_S``, then falls back to 120 s.
+    """The time limit of one collective: ``timeout`` (seconds or ``timedelta``), else the
+    environment variable, else the default.
 
     Raises:
         ValueError: the limit (or the environment variable) is not a positive number.
@@ -104,11 +91,9 @@ class CollectiveError(RuntimeError):
 
     Attributes:
         collective: what was being exchanged, e.g. ``"pooled_all_to_all.forward"``.
-        rank: this process's global rank.
-        group: description of the process group (name and global ranks).
-        peer: the peer's global rank when the collective had a single peer, else ``None``.
+        rank, group, peer: this global rank, the group's description, the single peer (or None).
         timed_out: ``True`` when the limit ran out, ``False`` when the backend reported an error
-            (typically a peer that closed its connection because it died).
+            (typically a peer that died).
         timeout_s: the limit in seconds that applied.
     """
 
@@ -167,17 +152,8 @@ def _looks_timed_out(message: str) -> bool:
 
 @dataclass
 class PendingCollective:
-    """An issued asynchronous collective that has not been waited for yet.
-
-    Args:
-        work: the ``torch.distributed`` work handle.
-        collective: the name used in errors.
-        group: the process group it runs on (``None``: world).
-        timeout: the resolved time limit.
-        device: device of the exchanged tensors; CPU waits block the host with the limit,
-            accelerator waits only order the current stream.
-        peer: the single peer's global rank, if there is one.
-    """
+    """An issued asynchronous collective (``work``) that has not been waited for yet; the other
+    fields are :func:`issue`'s (``timeout`` resolved)."""
 
     work: dist.Work
     collective: str
@@ -239,10 +215,11 @@ def issue(
 
     Args:
         collective: the name used in errors (e.g. ``"kjt_all_to_all.values"``).
-        start: a callable that issues the collective with ``async_op=True`` and returns its work.
+        start: issues the collective with ``async_op=True`` and returns its work.
         group: the process group the collective runs on (``None``: world).
         timeout: the per-call limit; see :func:`collective_timeout`.
-        device: device of the exchanged tensors (default CPU).
+        device: device of the exchanged tensors (default CPU: waits block the host with the
+            limit; accelerator waits only order the current stream).
         peer: the single peer's global rank, if there is one.
 
     Raises:

@@ -1,0 +1,76 @@
+"""Reduce-scatter of row blocks: the backend's own, or an all-to-all and a local sum.
+
+Both leave rank ``r`` with the sum over ranks of their ``r``-th row block. The backend sums in
+its own order; the all-to-all variant in rank order, so its result is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from embshard_dist.comm._codec import ChunkCodec
+from embshard_dist.comm._exchange import Channel
+from embshard_dist.comm.timeouts import issue
+
+__all__ = ["ReduceScatter", "reduce_scatter_as_all_to_all", "reduce_scatter_by_backend"]
+
+
+class ReduceScatter(Protocol):
+    """Start reduce-scattering ``input`` (row blocks ``batches``); the returned call waits and
+    gives this rank's sum."""
+
+    def __call__(
+        self, channel: Channel, input: Tensor, batches: list[int], rank: int, coder: ChunkCodec
+    ) -> Callable[[], Tensor]: ...
+
+
+def reduce_scatter_by_backend(
+    channel: Channel, input: Tensor, batches: list[int], rank: int, coder: ChunkCodec
+) -> Callable[[], Tensor]:
+    """``reduce_scatter_single`` (equal blocks, no codec: ``coder`` is passthrough)."""
+    out = input.new_empty(batches[rank], input.shape[1])
+    send = input.contiguous()
+    pending = issue(
+        f"{channel.name}.forward",
+        lambda: dist.reduce_scatter_single(out, send, group=channel.group, async_op=True),
+        group=channel.group,
+        timeout=channel.timeout,
+        device=input.device,
+    )
+
+    def finish() -> Tensor:
+        pending.wait()
+        return out
+
+    return finish
+
+
+def reduce_scatter_as_all_to_all(
+    channel: Channel, input: Tensor, batches: list[int], rank: int, coder: ChunkCodec
+) -> Callable[[], Tensor]:
+    """Each rank's block to its rank in one coded all-to-all, then the received blocks decoded
+    and summed in rank order (any block sizes, any codec)."""
+    world, shape = len(batches), (batches[rank], input.shape[1])
+    pending, recv = channel.all_to_all(
+        "forward", input.split(batches, dim=0), [shape[0] * shape[1]] * world, coder, input
+    )
+
+    def finish() -> Tensor:
+        pending.wait()
+        parts = [
+            coder.decode(p, shape)
+            for p in recv.split([coder.wire_size(shape[0] * shape[1])] * world)
+        ]
+        if len(parts) == 1:
+            return parts[0].clone()
+        total = torch.add(parts[0], parts[1])
+        for part in parts[2:]:
+            total += part
+        return total
+
+    return finish
