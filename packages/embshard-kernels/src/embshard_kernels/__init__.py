@@ -1,9 +1,7 @@
 """embshard-kernels: embshard's wrappers over FBGEMM's table-batched embedding kernels.
 
-Fused (optimizer in backward), dense, quantized and key-value kernels in pooled and sequence
-forms, grouped table configs, per-table weight views, and the unsharded EmbeddingBagCollection /
-EmbeddingCollection built on them. The only embshard package that imports ``fbgemm_gpu``; a
-missing or mismatched FBGEMM raises an ``ImportError`` with the install command.
+The only embshard package that imports ``fbgemm_gpu``; a missing or mismatched FBGEMM raises an
+``ImportError`` with the install command.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The single place embshard imports ``fbgemm_gpu``.
 
-Every other module of embshard-kernels takes FBGEMM's classes and enums from here. Guarantees:
-importing this module either gives working FBGEMM names or raises an ``ImportError`` that says
-which build is missing or mismatched and the exact install command that fixes it (FBGEMM and
-torch are a matched pair: torch 2.13.x goes with FBGEMM 1.8.0, torch 2.14.x with 1.9.0; CPU
-hosts need the ``fbgemm-gpu-cpu`` build, CUDA hosts ``fbgemm-gpu``).
+Importing it gives working FBGEMM names or raises an ``ImportError`` naming the missing or
+mismatched build and the install command (torch and FBGEMM are a matched pair, see
+:data:`MATCHED_VERSIONS`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """What every batched embedding kernel shares: its tables, their weights, init, flush and purge.
 
-A kernel serves one :class:`~embshard_kernels.grouping.GroupedEmbeddingConfig` with one
-table-batched module (FBGEMM's or embshard's). Its children are one
-:class:`~embshard_kernels.slices.TableWeight` per table, so ``state_dict()``,
-``named_parameters()`` and ``load_state_dict()`` speak ``{table}.weight`` and touch the live
-weights (views of the batched module's buffer); the batched module itself is held outside the
-module tree, so its internal buffers never leak into state dicts.
-
-Guarantees: ``init_parameters()`` draws each table uniformly from its init range, table by
-table in config order; ``split_embedding_weights()`` returns views, never copies; a table name
-that clashes with a module attribute is refused with a ``ValueError``.
+A kernel serves one ``GroupedEmbeddingConfig`` with one table-batched module, held outside the
+module tree; its children are one ``TableWeight`` per table, so state dicts speak
+``{table}.weight`` and touch the live weights. ``split_embedding_weights()`` returns views.
 """
 
 from __future__ import annotations
@@ -26,12 +19,7 @@ from embshard_kernels.slices import TableWeight
 
 
 class BaseBatchedEmbedding(nn.Module):
-    """Common half of the batched kernels (see the module docstring).
-
-    Args:
-        config: the tables this kernel serves.
-        device: where the kernel runs.
-    """
+    """Common half of the batched kernels (see the module docstring)."""
 
     _emb_module: Any
 
@@ -99,11 +87,8 @@ class BaseBatchedEmbedding(nn.Module):
             yield table.name, self.table_weight(table.name).weight
 
     def init_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Draw every table's weights uniformly from its init range (config order).
-
-        Args:
-            generator: the random generator to draw from (default: torch's global one).
-        """
+        """Draw every table's weights uniformly from its init range (config order), from
+        ``generator`` (default: torch's global one)."""
         with torch.no_grad():
             for table, weight in zip(
                 self._config.embedding_tables, self.split_embedding_weights(), strict=True

@@ -1,23 +1,9 @@
 """The unsharded user modules: EmbeddingBagCollection (pooled) and EmbeddingCollection (sequence).
 
-Both are built from table configs and run on embshard's batched kernels: with an optimizer
-spec they use the fused kernels (the optimizer runs in the backward; ``fused_optimizer`` exposes
-its state), without one the dense kernels (ordinary parameters for any torch optimizer).
-
-Guarantees:
-
-- state dict keys are ``embedding_bags.{table}.weight`` / ``embeddings.{table}.weight``, and
-  ``named_parameters()`` yields the same names; they are live views of the kernels' weights, so
-  ``load_state_dict`` writes into the kernels and a state dict round-trips exactly;
-- outputs follow the configs: an EmbeddingBagCollection returns a KeyedTensor whose keys are
-  the tables' features in config order; an EmbeddingCollection returns a dict of one
-  JaggedTensor per feature, in config order;
-- built with ``device="meta"`` a collection holds only meta parameters (for later sharding);
-  ``to_empty(device=...)`` then ``reset_parameters()`` materialises it, and with the same seed
-  its weights equal those of a collection built directly (building consumes no random numbers;
-  ``reset_parameters`` draws each table uniformly from its init range, in config order);
-- moving a built collection to another device or dtype rebuilds its kernels there, keeping the
-  weights (fused optimizer state starts afresh).
+With an optimizer spec they run the fused kernels (``fused_optimizer`` exposes the state), without
+one the dense kernels. State dict keys are ``embedding_bags.{table}.weight`` /
+``embeddings.{table}.weight``, live views of the kernels' weights. Built on ``meta``, then
+``to_empty`` + ``reset_parameters()``, a collection equals one built directly with the same seed.
 """
 
 from __future__ import annotations
@@ -212,13 +198,10 @@ class EmbeddingBagCollection(_KernelCollection):
     """Pooled embedding tables: each feature's bags become one row per sample.
 
     Args:
-        tables: the table configs (names and feature names distinct).
-        is_weighted: whether input features carry per-id weights (SUM pooling only).
+        is_weighted: input features carry per-id weights (SUM pooling only).
         device: where the tables live (``"meta"``: shapes only, materialise later).
-        optimizer: train with this optimizer fused into the backward (fused kernels); without
-            one the tables are dense parameters for a torch optimizer.
+        optimizer: fused into the backward; without one the tables are dense parameters.
         compute_kernel: override the kernel (``fused``, ``dense``; ``key_value`` on CUDA).
-        fused_params: fused-kernel options (output dtype, bounds check, cache).
         backend: fused kernels: ``"auto"``, ``"fbgemm"`` or ``"torch"``.
 
     Raises:
@@ -269,13 +252,7 @@ class EmbeddingBagCollection(_KernelCollection):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Pool every feature's bags.
-
-        Args:
-            features: a batch holding (at least) every table's features, one batch size.
-
-        Returns:
-            A KeyedTensor ``[batch, sum of dims]`` keyed by feature, in config order.
+        """Pool every feature's bags: a KeyedTensor ``[batch, sum of dims]``, config order.
 
         Raises:
             ValueError / TypeError / IndexError: a missing feature, float ids, an id out of
@@ -332,11 +309,7 @@ class EmbeddingCollection(_KernelCollection):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        """Look up every id.
-
-        Returns:
-            Per feature (config order), a JaggedTensor of ``[ids, dim]`` rows with the input's
-            lengths.
+        """Per feature (config order), a JaggedTensor of its ids' rows with the input's lengths.
 
         Raises:
             ValueError / TypeError / IndexError: a missing feature, float ids or an id out of

@@ -1,16 +1,8 @@
 """INT8 row-wise quantized communication codec on FBGEMM's quantize ops.
 
-``FbgemmInt8RowwiseCommCodec`` implements ``embshard_types.comm_codec.QuantizedCommCodec`` with
-``torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized`` / ``Fused8BitRowwiseQuantizedToFloat`` on
-whatever device the payload lives. Its wire format is the one of embshard-dist's pure-torch
-``Int8RowwiseCommCodec`` (byte for byte): the flattened chunk is cut into rows of ``row_dim``
-elements, each sent as ``row_dim`` uint8 codes then float32 scale and bias (``row_dim + 8``
-bytes); a last, shorter row of ``t`` elements is sent as ``t + 8`` bytes, so any element count
-works and the decoder recovers it from the wire length. ``row_dim`` must be a multiple of 4,
-which keeps FBGEMM's GPU rows (padded to 4 bytes) and CPU rows the same size.
-
-``fbgemm_int8_rowwise_supported(device)`` says whether FBGEMM's ops run on a device (probed once
-per device type); embshard-dist's codec builder falls back to the torch codec where they do not.
+``FbgemmInt8RowwiseCommCodec`` writes byte for byte the wire format of embshard-dist's
+``Int8RowwiseCommCodec``: rows of ``row_dim`` uint8 codes then float32 scale and bias, a shorter
+last row for any element count. ``fbgemm_int8_rowwise_supported(device)`` says where it runs.
 """
 
 from __future__ import annotations
@@ -48,11 +40,7 @@ def _supported(device_type: str) -> bool:
 
 
 def fbgemm_int8_rowwise_supported(device: torch.device | str | None = None) -> bool:
-    """Whether FBGEMM's fused 8-bit row-wise quantize ops run on ``device`` (default: CPU).
-
-    Args:
-        device: the device the payloads live on.
-    """
+    """Whether FBGEMM's fused 8-bit row-wise quantize ops run on ``device`` (default: CPU)."""
     return _supported(torch.device(device if device is not None else "cpu").type)
 
 

@@ -1,15 +1,9 @@
 """Dense batched kernels: table-batched lookups whose weights get ordinary autograd gradients.
 
-For data-parallel tables (and unsharded collections trained by a dense optimizer). The weights
-are one ordinary ``nn.Parameter`` (``emb_module.weights``, FBGEMM's
-``DenseTableBatchedEmbeddingBagsCodegen``); the per-table ``{table}.weight`` parameters are
-views of it whose ``.grad`` is the matching region of its gradient.
-
-Guarantees: pooled lookups use FBGEMM's dense TBE, except where its CPU path is wrong — with a
-batch size per feature it ignores the sizes, so embshard's torch lookup runs instead. The
-sequence kernel always uses the torch lookup: FBGEMM's CPU dense TBE silently sum-pools when
-asked for no pooling, and ``BatchedDenseEmbedding`` returns one real row per id. Input is
-checked before the lookup, as in every kernel.
+The weights are one ``nn.Parameter``; each ``{table}.weight`` is a view of it whose ``.grad`` is
+its region of the gradient. Pooled lookups use FBGEMM's dense TBE except with per-feature batch
+sizes on the CPU (which it ignores); sequence lookups always run in torch (FBGEMM's CPU dense
+TBE sum-pools them).
 """
 
 from __future__ import annotations
@@ -98,13 +92,8 @@ class _DenseKernel(BaseBatchedEmbedding):
 
 
 class BatchedDenseEmbeddingBag(_DenseKernel):
-    """Pooled (SUM / MEAN) tables with autograd gradients.
-
-    Args:
-        config: the group of tables (compute kernel ``dense``).
-        device: where the kernel runs (``None``: the CPU).
-        init_weights: draw the weights from the tables' init ranges.
-    """
+    """Pooled (SUM / MEAN) tables with autograd gradients (``init_weights``: draw the weights
+    from the tables' init ranges)."""
 
     def __init__(
         self,
@@ -139,13 +128,8 @@ class BatchedDenseEmbeddingBag(_DenseKernel):
 
 
 class BatchedDenseEmbedding(_DenseKernel):
-    """Sequence tables (one row per id) with autograd gradients.
-
-    Args:
-        config: the group of tables (compute kernel ``dense``, pooling NONE, one width).
-        device: where the kernel runs (``None``: the CPU).
-        init_weights: draw the weights from the tables' init ranges.
-    """
+    """Sequence tables (one row per id, one width) with autograd gradients; arguments as
+    :class:`BatchedDenseEmbeddingBag`'s."""
 
     def __init__(
         self,

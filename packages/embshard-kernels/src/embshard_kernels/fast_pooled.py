@@ -1,27 +1,9 @@
 """A fast plain-torch path for pooled fused lookups: one sort and one sparse product per step.
 
-FBGEMM's CPU backward for RowWiseAdagrad runs at a small fraction of the memory bandwidth. For
-SUM / MEAN pooled float32 tables on the CPU, :class:`FastPooledPath` does the lookup and the
-fused update of ``TorchFusedTBE`` in a handful of whole-batch torch calls:
-
-- tables of one width that sit next to each other in the weight buffer form a *run*, one
-  ``[rows, width]`` view; every id becomes a row of its run (table offset + id), as int32;
-- forward: one ``F.embedding_bag`` per run over those rows;
-- backward: one stable sort of the run's rows gives the distinct rows and, per row, the bags
-  that read it; that is a CSR matrix ``[distinct rows x bags]`` (values 1, or the per-sample
-  weights) whose product with the output gradient ``[bags x width]`` (MEAN: divided by the bag
-  lengths) is the summed gradient of every touched row, computed by one ``addmm`` (MKL) into a
-  reused buffer, without one gradient row per id;
-- update: RowWiseAdagrad (no weight decay, no max-norm) or SGD with ``index_select`` /
-  ``index_add_`` on the touched rows and their state only.
-
-Guarantees: the update is that of ``embshard_optim.sparse_rules`` (FBGEMM's
-``EXACT_ROWWISE_ADAGRAD`` and ``EXACT_SGD``) on the per-row gradient sums, to float32 rounding
-(MKL may add a row's terms in another order, per-sample weights are multiplied in fused, and
-the row mean square comes from the row norm). Untouched rows and their state are never written.
-Work per step grows with the batch's ids, not with the table sizes; the path keeps one reused
-float32 buffer of ``distinct rows x width`` between steps (about 43 MB on benchmark K1, where a
-step is about twice as fast as FBGEMM's CPU TBE with RowWiseAdagrad, one thread).
+For SUM / MEAN pooled float32 tables on the CPU, tables of one width next to each other form a
+*run*; a step does one ``embedding_bag`` per run, sums each touched row's gradient with one sparse
+product (see :mod:`embshard_kernels.row_sums`) into a reused buffer, and applies embshard-optim's
+update function (SGD or RowWiseAdagrad) to those rows. Untouched rows and state are never written.
 """
 
 from __future__ import annotations
@@ -40,13 +22,14 @@ from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, arrange_pooled, split_pooled
 from embshard_kernels.row_sums import group_rows, sparse_product
 from embshard_kernels.workspace import Workspace
+from embshard_optim.sparse_rules.adagrad import rowwise_adagrad_update
 from embshard_optim.sparse_rules.base import RowReduction
+from embshard_optim.sparse_rules.sgd import sgd_update
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.vocab import DataType, PoolingType
 
 RowExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
-"""``(label, rows, summed grads, run rows) -> (rows, grads)``: what the update applies (see
-``update``)."""
+"""``(label, rows, summed grads, run rows) -> (rows, grads)`` to apply (see ``update``)."""
 
 FAST_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
 """Optimizers the fast path applies (RowWiseAdagrad without weight decay or max-norm)."""
@@ -55,13 +38,7 @@ FAST_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
 def fast_path_refusal(
     config: GroupedEmbeddingConfig, spec: OptimizerSpec, device: torch.device | str | None
 ) -> str | None:
-    """Why :class:`FastPooledPath` cannot serve ``config`` with ``spec`` on ``device``, or ``None``.
-
-    Args:
-        config: the group of tables.
-        spec: the optimizer.
-        device: where the kernel runs.
-    """
+    """Why :class:`FastPooledPath` cannot serve ``config`` with ``spec`` on ``device``, or ``None``."""
     if device_type(device) != "cpu":
         return "the fast pooled path runs on the CPU only"
     if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
@@ -79,16 +56,12 @@ def fast_path_refusal(
 class TableRun:
     """Consecutive tables of one width, seen as one ``[rows, width]`` block of the weights.
 
-    A group lists its features table by table, so the features of a run are consecutive too.
-
     Attributes:
         start: where the block starts in the flat weight buffer (elements).
-        first_row: the block's first row among all the group's rows (its state offset).
-        rows: rows of the block.
-        width: columns of every table of the run.
-        features: the features that read a table of the run (``range(first, end)``).
+        first_row: the block's first row among the group's rows (its state offset).
+        features: the (consecutive) features that read a table of the run.
         row_bases: per feature of ``features``, the first row of its table in the block.
-        tables: the group's tables in the run (``range(first, end)``).
+        tables: the group's tables in the run.
     """
 
     start: int
@@ -103,15 +76,10 @@ class TableRun:
 def table_runs(
     shapes: list[tuple[int, int]], starts: list[int], feature_table_map: list[int]
 ) -> list[TableRun]:
-    """Split tables (``[rows, width]`` at flat offsets ``starts``) into runs of one width.
-
-    Args:
-        shapes: per table, its local ``(rows, width)``.
-        starts: per table, where it starts in the flat weight buffer.
-        feature_table_map: per feature, its table (non-decreasing, as groups list them).
+    """Split tables (``shapes[t]`` at flat offset ``starts[t]``) into runs of one width.
 
     Raises:
-        ValueError: ``feature_table_map`` is not non-decreasing.
+        ValueError: ``feature_table_map`` (per feature, its table) is not non-decreasing.
     """
     if any(a > b for a, b in itertools.pairwise(feature_table_map)):
         raise ValueError(f"feature_table_map {feature_table_map} must list features table by table")
@@ -143,10 +111,8 @@ def table_runs(
 class SharedRowSums:
     """One ``row_sum`` for all the tables of a group (their column blocks share the ranks).
 
-    Attributes:
-        row_sum: takes the per-row partial sums of every table's touched rows (tables in the
-            group's order, rows sorted) and returns the sums over the full rows.
-        full_dims: per table, the width of its full rows.
+    ``row_sum`` takes the partial sums of every table's touched rows (tables in order, rows
+    sorted) and returns the full-row sums; ``full_dims`` holds each table's full width.
     """
 
     row_sum: Callable[[Tensor], Tensor]
@@ -154,15 +120,9 @@ class SharedRowSums:
 
 
 class RowPlan(NamedTuple):
-    """A run's sparse ``[distinct rows x bags]`` pattern (see ``FastPooledPath._plan``).
-
-    Attributes:
-        rows: the distinct rows, sorted (int64).
-        crow: CSR row pointers.
-        bags: CSR column indices: the bag of each id, grouped by row.
-        values: CSR values: 1, the id's weight, or either over the bag's length (MEAN).
-        sample_major_features: how bags are numbered (0: feature-major).
-    """
+    """A run's CSR ``[distinct rows x bags]`` pattern (see ``FastPooledPath._plan``): sorted
+    int64 ``rows``, ``crow``, ``bags`` (column indices), ``values``, and how bags are numbered
+    (``sample_major_features``, 0: feature-major)."""
 
     rows: Tensor
     crow: Tensor
@@ -172,13 +132,8 @@ class RowPlan(NamedTuple):
 
 
 class RunBatch(NamedTuple):
-    """One run's part of a call: its ids as rows of the run, its bags and weights.
-
-    Attributes:
-        rows: per id, its row in the run (int32, or int64 for groups of 2**31 rows or more).
-        offsets: bag boundaries into ``rows`` (same dtype), the run's bags feature by feature.
-        weights: per-id weights, or ``None``.
-    """
+    """One run's part of a call: per id its row of the run (int32 below 2**31 rows, else
+    int64), the bag offsets into them (same dtype) and the per-id weights (or ``None``)."""
 
     rows: Tensor
     offsets: Tensor
@@ -186,12 +141,8 @@ class RunBatch(NamedTuple):
 
 
 class FastPooledPath:
-    """Lookup and fused update of a pooled group (see the module docstring).
-
-    Args:
-        config: the group (checked with :func:`fast_path_refusal` by the caller).
-        starts: where each table starts in the flat weight buffer.
-    """
+    """Lookup and fused update of a pooled group (``config`` passed :func:`fast_path_refusal`;
+    ``starts``: where each table starts in the flat weight buffer)."""
 
     def __init__(self, config: GroupedEmbeddingConfig, starts: list[int]) -> None:
         shapes = [(t.rows, t.cols) for t in config.embedding_tables]
@@ -219,14 +170,7 @@ class FastPooledPath:
     def batches(
         self, indices: Tensor, offsets: Tensor, weights: Tensor | None, layout: CallLayout
     ) -> list[RunBatch]:
-        """Per run, its ids as rows of the run, its bag offsets and per-id weights.
-
-        Args:
-            indices: the call's ids, feature-major.
-            offsets: the call's bag offsets.
-            weights: the call's per-sample weights, or ``None``.
-            layout: the call's layout.
-        """
+        """Per run, the call's ids as rows of the run, its bag offsets and per-id weights."""
         out = []
         dtype = self._index_dtype
         for run in self.runs:
@@ -274,11 +218,8 @@ class FastPooledPath:
     ) -> list[RowReduction | None] | SharedRowSums | None:
         """How the update completes row statistics, from the reductions given per table.
 
-        Returns:
-            :class:`SharedRowSums` when every table has a reduction with one same ``row_sum``
-            (one call per step for the whole group); else per run, the reduction of its table
-            (``None``: no reduction); ``None`` when that cannot be expressed (a run of several
-            tables of which some, but not all with one ``row_sum``, have a reduction).
+        Returns :class:`SharedRowSums` when all tables share one ``row_sum``; else per run, its
+        table's reduction (or ``None``); ``None`` when a run of several tables cannot take them.
         """
         if reductions is None:
             return [None] * len(self.runs)
@@ -306,22 +247,18 @@ class FastPooledPath:
         spec: OptimizerSpec,
         exchange: RowExchange | None = None,
         reductions: Sequence[RowReduction | None] | SharedRowSums | None = None,
+        step: int = 1,
     ) -> None:
-        """Apply ``spec`` to every touched row (``state``: flat row-wise state of all rows).
+        """Apply ``spec`` to every touched row with embshard-optim's update functions.
 
         Args:
-            flat: the group's flat weight buffer.
-            state: the flat row-wise optimizer state.
-            grad_output: the output gradient, in the lookup's layout.
+            state: the flat row-wise optimizer state of all the group's rows.
             batches: the forward's :meth:`batches`.
-            layout: the call's layout.
-            spec: the optimizer.
-            exchange: called for every run, in order, even one without ids, with the run's
-                label, its touched rows (sorted, int64, rows of the run), their summed
-                gradients and the run's number of rows; what it returns is applied (e.g. rows
-                summed over replicas).
-            reductions: from :meth:`run_reductions`: how to complete row statistics of column
-                shards (``None``: nothing to complete).
+            exchange: called for every run in order, even one without ids, with its label,
+                touched rows (sorted, int64), summed gradients and row count; returns what to
+                apply.
+            reductions: from :meth:`run_reductions` (``None``: nothing to complete).
+            step: the 1-based step of this update.
         """
         grad_output = grad_output.float()
         # One run of every feature, one batch size: the gradient [batch, features * width] is,
@@ -356,13 +293,25 @@ class FastPooledPath:
             if rows.numel():
                 touched.append((i, rows, summed))
         mean_squares = self._mean_squares(touched, spec, reductions)
-        momentum = state.get("momentum1")
         for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
             run = self.runs[i]
-            run_state = (
-                None if momentum is None else momentum[run.first_row : run.first_row + run.rows]
-            )
-            _apply(self.run_weights(flat, run), run_state, rows, summed, spec, mean_square)
+            weight = self.run_weights(flat, run)
+            # the run's rows of the flat state; summed is a workspace, so the update may scale it
+            at = slice(run.first_row, run.first_row + run.rows)
+            run_state = {name: value[at] for name, value in state.items()}
+            if spec.optim_type is OptimType.SGD:
+                sgd_update(spec, weight, run_state, rows, summed, step, consume_grad=True)
+            else:
+                rowwise_adagrad_update(
+                    spec,
+                    weight,
+                    run_state,
+                    rows,
+                    summed,
+                    step,
+                    mean_square=mean_square,
+                    consume_grad=True,
+                )
 
     def _mean_squares(
         self,
@@ -404,12 +353,8 @@ class FastPooledPath:
         return dims.index_select(0, table)
 
     def prepare(self, batches: list[RunBatch], layout: CallLayout) -> None:
-        """Work out, ahead of the backward, everything its sums need from the ids alone.
-
-        Meant to run while something else waits (e.g. the output all-to-all is in flight);
-        :meth:`update` with the same ``batches`` then only multiplies. The plans are kept for
-        the most recent ``batches`` only.
-        """
+        """Work out ahead of the backward what its sums need from the ids alone (e.g. while
+        the output all-to-all is in flight); kept for the most recent ``batches`` only."""
         features = self._sample_major_features(layout)
         self._prepared = (batches, [self._plan(b, features) for b in batches])
 
@@ -459,18 +404,9 @@ class FastPooledPath:
     ) -> tuple[Tensor, Tensor]:
         """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each.
 
-        The sum is the product of the run's sparse pattern (:meth:`_plan`, or ``plan`` when
-        prepared with the same numbering) with the bags' gradients, computed into run
-        ``run``'s reused workspace (valid until its next call).
-
-        Args:
-            bag_grads: the gradient of every bag: feature-major, or (``sample_major_features``
-                features) sample-major ``[batch * features, width]``.
-            batch: the run's ids and bags (feature-major).
-            run: the run's index.
-            sample_major_features: 0, or the number of features when ``bag_grads`` is
-                sample-major.
-            plan: the pattern, if already worked out.
+        The product of the run's pattern (``plan`` if prepared) with ``bag_grads`` (feature-major,
+        or sample-major with ``sample_major_features`` features), into run ``run``'s workspace
+        (valid until its next call).
         """
         if plan is None or plan.sample_major_features != sample_major_features:
             plan = self._plan(batch, sample_major_features)
@@ -491,29 +427,6 @@ class FastPooledPath:
     def _workspace(self, run: int, rows: int, width: int) -> Tensor:
         """Run ``run``'s reused ``[rows, width]`` float32 buffer."""
         return self._space.take(f"run{run}", (rows, width), torch.float32, torch.device("cpu"))
-
-
-def _apply(
-    weight: Tensor,
-    momentum: Tensor | None,
-    rows: Tensor,
-    summed: Tensor,
-    spec: OptimizerSpec,
-    mean_square: Tensor | None,
-) -> None:
-    """SGD, or RowWiseAdagrad given each row's mean of g², on ``rows`` (sorted, distinct).
-
-    ``summed`` is consumed (scaled in place).
-    """
-    if spec.optim_type is OptimType.SGD:
-        summed.mul_(-spec.learning_rate)
-    else:
-        assert momentum is not None and mean_square is not None
-        momentum.index_add_(0, rows, mean_square)
-        multiplier = spec.learning_rate / (momentum.index_select(0, rows).sqrt_() + spec.eps)
-        summed.mul_(multiplier.neg_().unsqueeze(1))
-    # scatter_add_ with the row index broadcast over the columns: ~10% faster than index_add_
-    weight.scatter_add_(0, rows.unsqueeze(1).expand_as(summed), summed)
 
 
 def _divisors(batch: RunBatch) -> Tensor:

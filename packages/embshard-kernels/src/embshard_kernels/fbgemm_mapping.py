@@ -1,11 +1,8 @@
 """embshard's vocabulary -> FBGEMM's enums and constructor arguments, and what runs where.
 
-Guarantees: every mapping is total over embshard's enums (a value FBGEMM cannot take raises a
-``ValueError`` naming the table and the alternatives); :func:`check_kernel_available` refuses a
-compute kernel the device cannot run and lists those it can; :func:`fbgemm_refusal` says, for an
-optimizer spec, why FBGEMM's TBE cannot run it faithfully on a device (``None`` when it can), so
-callers route such specs to embshard's plain-torch sparse rules instead of letting FBGEMM fail or
-silently ignore a setting.
+Every mapping is total over embshard's enums (errors name the table and the alternatives);
+:func:`fbgemm_refusal` says why FBGEMM's TBE cannot run a spec faithfully on a device, so callers
+route it to the plain-torch rules instead.
 """
 
 from __future__ import annotations
@@ -199,8 +196,7 @@ def fbgemm_refusal(spec: OptimizerSpec, device: torch.device | str | None) -> st
     """Why FBGEMM's training TBE cannot run ``spec`` faithfully on ``device``, or ``None``.
 
     On the CPU FBGEMM constructs only SGD, Adagrad and RowWiseAdagrad, and its CPU kernels
-    ignore ``weight_decay`` and ``max_norm`` (measured with fbgemm-gpu-cpu 1.8.0), so specs that
-    use them are refused too.
+    ignore ``weight_decay`` and ``max_norm`` (fbgemm-gpu-cpu 1.8.0), so those are refused too.
     """
     if device_type(device) == "cuda":
         return None

@@ -1,17 +1,9 @@
 """Fused batched kernels: one TBE per table group, the optimizer applied inside the backward.
 
-``BatchedFusedEmbeddingBag`` (pooled) and ``BatchedFusedEmbedding`` (sequence) run FBGEMM's
-training TBE where it runs the group's optimizer faithfully and embshard's plain-torch TBE
-(embshard-optim's sparse update rules) elsewhere, behind the same
-:class:`~embshard_kernels.tbe.FusedTBE` face. Their ``fused_optimizer`` is embshard-optim's
-``EmbeddingFusedOptimizer`` over the kernel's own state; every table weight also carries a
-per-table one in ``_in_backward_optimizers`` (TorchRec's convention for fused parameters).
-
-Guarantees: the config is checked at construction (kernel available on the device, a trainable
-data type, widths that are multiples of 4, pooling of the right form), and every forward checks
-its input (:func:`~embshard_kernels.inputs.check_features`) before the TBE runs, so a bad batch
-changes neither weights nor optimizer state. The hot path does one ``aminmax`` over the ids and
-then calls the TBE with the batch's own tensors (no copies when ids are int64).
+``BatchedFusedEmbeddingBag`` (pooled) and ``BatchedFusedEmbedding`` (sequence) run the TBE that
+:func:`~embshard_kernels.tbe.build_fused_tbe` picks; ``fused_optimizer`` exposes its state. The
+config is checked at construction and every batch before the TBE runs, so a bad batch changes
+neither weights nor optimizer state.
 """
 
 from __future__ import annotations
@@ -155,13 +147,8 @@ class _FusedKernel(BaseBatchedEmbedding):
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """Look up ``features`` (exactly the group's features, in order).
 
-        Returns:
-            Pooled: ``[batch, sum of dims]``, or FBGEMM's flat layout when batch sizes vary per
-            feature. Sequence: ``[ids, dim]``, one row per id.
-
-        Raises:
-            ValueError / TypeError / IndexError: bad input (see ``check_features``), before
-                anything changes.
+        Pooled: ``[batch, sum of dims]`` (flat when batch sizes vary); sequence: ``[ids, dim]``.
+        Bad input raises (see ``check_features``) before anything changes.
         """
         check_features(features, self._layout)
         args = to_tbe_input(features, weighted=self._config.is_weighted)
@@ -173,11 +160,9 @@ class BatchedFusedEmbeddingBag(_FusedKernel):
     """Pooled (SUM / MEAN) tables with the optimizer fused into the backward.
 
     Args:
-        config: the group of tables (pooling SUM or MEAN, widths multiples of 4).
+        config: pooling SUM or MEAN, widths multiples of 4.
         pg: the process group the tables' shard placements refer to.
-        device: where the kernel runs (``None``: the CPU).
-        backend: ``"auto"`` (FBGEMM where it runs the optimizer faithfully, embshard's torch
-            kernel elsewhere), ``"fbgemm"`` or ``"torch"``.
+        backend: ``"auto"``, ``"fbgemm"`` or ``"torch"`` (see ``choose_fused_path``).
         state_format: how ``fused_optimizer`` exposes weights and state (default: plain tensors
             for whole tables without ``pg``, ``ShardedTensor`` otherwise).
         init_weights: draw the weights from the tables' init ranges.

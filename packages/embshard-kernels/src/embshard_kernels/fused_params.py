@@ -1,9 +1,7 @@
 """Per-table options of the fused (optimizer-in-backward) kernels.
 
-``FusedParams`` is what TorchRec passes around as an untyped ``fused_params`` dict, as one frozen,
-validated dataclass: the optimizer spec, the output dtype, FBGEMM's bounds-check mode and the
-device cache. Guarantees: frozen and hashable (tables with equal params can share one kernel);
-``from_dict`` accepts TorchRec's dict spelling and rejects unknown keys by name.
+``FusedParams`` is TorchRec's untyped ``fused_params`` dict as a frozen, hashable, validated
+dataclass; ``from_dict`` accepts TorchRec's spelling and rejects unknown keys by name.
 """
 
 from __future__ import annotations
@@ -48,12 +46,9 @@ class FusedParams:
     """Options of a fused kernel (one TBE) beyond the tables' shapes.
 
     Args:
-        optimizer: the optimizer applied inside the backward; the default is FBGEMM's
-            (exact SGD, learning rate 0.01).
-        output_dtype: dtype of the looked-up rows (``fp32`` or ``fp16``; ``bf16`` on CUDA).
-        bounds_check_mode: FBGEMM's own check of ids. embshard validates ids (raising a
-            ``ValueError`` that names the table) before every lookup, so the default turns
-            FBGEMM's second check off.
+        optimizer: applied inside the backward (default: FBGEMM's, exact SGD, lr 0.01).
+        output_dtype: ``fp32`` or ``fp16`` (``bf16`` on CUDA).
+        bounds_check_mode: FBGEMM's own id check, off by default (embshard checks ids first).
         cache_params: device cache of hot rows (UVM caching kernels on CUDA only).
     """
 
@@ -88,13 +83,9 @@ class FusedParams:
         """Build from TorchRec's ``fused_params`` dict spelling.
 
         Args:
-            data: keys ``optimizer`` (a name such as ``"exact_row_wise_adagrad"``, an
-                ``OptimType``, FBGEMM's ``EmbOptimType`` or an ``OptimizerSpec``), optimizer
-                hyperparameters (``learning_rate``/``lr``, ``eps``, ``beta1``, ``beta2``,
-                ``weight_decay``, ``weight_decay_mode``, ``momentum``, ``eta``, ``max_norm``,
-                ``stochastic_rounding``), ``output_dtype``, ``bounds_check_mode``, and cache
-                settings (``cache_load_factor``, ``cache_algorithm``, ``cache_precision``,
-                ``cache_reserved_memory``, ``prefetch_pipeline``) or ``cache_params``.
+            data: ``optimizer`` (a name, ``OptimType``, ``EmbOptimType`` or ``OptimizerSpec``),
+                its hyperparameters, ``output_dtype``, ``bounds_check_mode`` and the cache
+                settings (``cache_*``, ``prefetch_pipeline``) or ``cache_params``.
 
         Raises:
             ValueError: an unknown key (all valid keys are listed) or an invalid value.

@@ -1,14 +1,7 @@
 """The kernels behind a collection: one batched kernel per table group, and the input routing.
 
-:class:`GroupedKernels` turns a collection's tables into groups (see
-:func:`~embshard_kernels.grouping.group_tables`), builds one kernel per group on a device, and
-routes a KeyedJaggedTensor to them: when the input's keys are the groups' features in order it
-is split into per-group views (no copy); otherwise it is permuted once (one gather per key).
-
-Guarantees: a feature missing from the input raises a ``ValueError`` naming the feature and its
-table before any kernel runs; extra input features are ignored; kernels are built with torch's
-random state saved and restored, so building consumes no random numbers (only
-``init_parameters`` draws, table by table, in the tables' order).
+Input whose keys are the groups' features in order is split into per-group views, else permuted
+once. A missing feature raises before any kernel runs; building consumes no random numbers.
 """
 
 from __future__ import annotations
@@ -68,9 +61,7 @@ def build_kernel(
 class GroupedKernels:
     """A collection's tables grouped into kernels (see the module docstring).
 
-    Args:
-        tables: the collection's tables, in output order.
-        backend: fused-kernel backend choice (see ``build_fused_tbe``).
+    ``backend``: the fused kernels' (see ``choose_fused_path``).
     """
 
     def __init__(self, tables: list[ShardedTableConfig], *, backend: Backend = "auto") -> None:
@@ -89,10 +80,8 @@ class GroupedKernels:
     ) -> dict[str, Any]:
         """Build the kernels on ``device``; return ``{table: holder module}``.
 
-        Args:
-            device: where the kernels run.
-            values: weights to copy into the new kernels (by table); ``None`` leaves them as
-                built (uninitialised: call ``init_parameters``).
+        ``values``: weights to copy in, by table (``None``: uninitialised, see
+        ``init_parameters``).
         """
         with torch.random.fork_rng(devices=[]):
             self.kernels = [

@@ -1,14 +1,8 @@
 """Table configs as a kernel sees them, and the grouping of tables into one TBE each.
 
-``ShardedTableConfig`` is one table (or one shard of it) on this process: its global shape, its
-local rows / columns, local and global shard metadata, init range, compute kernel and fused
-params. ``GroupedEmbeddingConfig`` is the set of tables one batched kernel serves.
-
-Guarantees: configs are frozen and validated at construction (errors name the table);
-:func:`group_tables` puts tables together exactly when one TBE can serve them all (same compute
-kernel, data type, pooling, weightedness and fused params; sequence tables additionally need
-the same width), keeps the tables' order within a group and the groups in order of first
-appearance, and never puts two shards of one table in the same group.
+Configs are frozen and validated (errors name the table). :func:`group_tables` groups tables
+exactly when one TBE can serve them all, keeps their order, and never puts two shards of one
+table in one group.
 """
 
 from __future__ import annotations
@@ -27,24 +21,18 @@ class ShardedTableConfig:
     """One table, or one shard of a table, as a batched kernel holds it.
 
     Args:
-        name: the table's name (state dict keys are ``{name}.weight``).
-        num_embeddings: rows of the whole table.
-        embedding_dim: columns of the whole table.
+        num_embeddings, embedding_dim: the whole table's rows and columns.
         feature_names: the input features that read this table, in output order.
-        data_type: storage type of the weights.
-        pooling: ``SUM`` / ``MEAN`` for pooled tables, ``NONE`` for sequence tables.
         init_range: uniform init bounds; ``None`` means ``±sqrt(1/num_embeddings)``.
-        compute_kernel: which kernel serves the table (``DEFAULT`` means ``FUSED``).
-        is_weighted: whether the features carry per-id weights (pooled ``SUM`` tables only).
-        local_rows: rows held here (default: all).
-        local_cols: columns held here (default: all).
+        compute_kernel: ``DEFAULT`` means ``FUSED``.
+        is_weighted: the features carry per-id weights (pooled ``SUM`` tables only).
+        local_rows, local_cols: the part held here (default: all).
         local_metadata: the shard held here (default: the whole table on rank 0).
         global_metadata: every shard of the table (default: just ``local_metadata``).
-        fused_params: options of the fused kernel (optimizer, output dtype, bounds check, cache).
 
     Raises:
-        ValueError: a size or enum is invalid, local sizes exceed the table or disagree with the
-            metadata, or per-id weights are combined with ``MEAN`` / ``NONE`` pooling.
+        ValueError: an invalid size or enum, local sizes that exceed the table or disagree with
+            the metadata, or per-id weights with ``MEAN`` / ``NONE`` pooling.
     """
 
     name: str
@@ -123,16 +111,8 @@ class ShardedTableConfig:
         local_metadata: ShardSpec | None = None,
         global_metadata: Sequence[ShardSpec] = (),
     ) -> ShardedTableConfig:
-        """Build from a user's table config (the whole table, unless metadata says otherwise).
-
-        Args:
-            config: an ``EmbeddingBagConfig`` or ``EmbeddingConfig``.
-            compute_kernel: the kernel that serves it.
-            is_weighted: whether its features carry per-id weights.
-            fused_params: fused-kernel options.
-            local_metadata: the shard held here (sizes give local rows / columns).
-            global_metadata: all shards of the table.
-        """
+        """Build from an ``EmbeddingBagConfig`` / ``EmbeddingConfig``: the whole table, or the
+        shard ``local_metadata`` says (of ``global_metadata``)."""
         sizes = None if local_metadata is None else local_metadata.sizes
         return cls(
             name=config.name,
@@ -180,15 +160,8 @@ class ShardedTableConfig:
 
 @dataclass(frozen=True)
 class GroupedEmbeddingConfig:
-    """Tables served by one batched kernel.
-
-    Args:
-        data_type: storage type shared by the tables.
-        pooling: pooling shared by the tables.
-        is_weighted: whether the tables' features carry per-id weights.
-        compute_kernel: the kernel shared by the tables.
-        embedding_tables: the tables, in output order (names distinct).
-        fused_params: fused-kernel options shared by the tables.
+    """Tables served by one batched kernel, which share every other field; ``embedding_tables``
+    in output order.
 
     Raises:
         ValueError: no tables, a table disagrees with the group, a name repeats, or sequence
@@ -262,14 +235,10 @@ def _group_key(table: ShardedTableConfig) -> tuple[object, ...]:
 
 
 def group_tables(tables: Iterable[ShardedTableConfig]) -> list[GroupedEmbeddingConfig]:
-    """Group tables so that each group runs as one TBE.
+    """Group ``tables`` (held here, in output order) so that each group runs as one TBE.
 
-    Args:
-        tables: the tables (or shards) held here, in output order.
-
-    Returns:
-        Groups in order of their first table; within a group tables keep their order. A second
-        shard of a table already in a group starts another group with the same settings.
+    Groups come in order of their first table, tables keep their order; a second shard of a
+    table already in a group starts another group.
     """
     groups: list[tuple[tuple[object, ...], list[ShardedTableConfig]]] = []
     for table in tables:

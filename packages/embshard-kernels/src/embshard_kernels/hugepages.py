@@ -1,16 +1,9 @@
 """Large embedding buffers on transparent huge pages, where the OS offers them on request.
 
-A lookup or an update touches rows scattered over a table of hundreds of MiB; with 4 KiB pages
-nearly every row costs a TLB miss. Linux backs memory with 2 MiB pages where a process asks for
-them (``madvise(MADV_HUGEPAGE)``, the kernel's ``madvise`` THP mode, a common default). On the
-2-core reference machine that makes W2's pooled lookups about a third faster and the row updates
-about a tenth.
-
-:func:`zeros` allocates a CPU tensor, asks for huge pages over it before its first touch, then
-zeroes it; :func:`empty` does the same without zeroing (for large outputs written at once). Guarantees: the result is an ordinary zero-filled tensor whatever happens; the advice
-is given only on Linux, on the CPU, for buffers of at least :data:`MIN_BYTES`, when the kernel's
-THP mode is ``madvise`` or ``always`` and ``EMBSHARD_HUGEPAGES`` is not ``0``; any failure of
-the advice is ignored (it changes speed, never values).
+:func:`zeros` / :func:`empty` allocate a CPU tensor and ask for huge pages
+(``madvise(MADV_HUGEPAGE)``) before its first touch: on Linux, for buffers of at least
+:data:`MIN_BYTES`, unless ``EMBSHARD_HUGEPAGES=0``. The advice changes speed, never values; its
+failures are ignored.
 """
 
 from __future__ import annotations

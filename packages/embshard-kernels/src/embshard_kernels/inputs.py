@@ -1,11 +1,7 @@
 """From a KeyedJaggedTensor to a TBE's arguments, with the input checked first.
 
-Guarantees: :func:`check_features` raises before any kernel runs (so before any weight or
-optimizer state can change) when a feature is missing or out of order, ids are not integers,
-weights are missing or not floating point, or an id is negative or not below its table's row
-count; every message names the feature, its table and the offending value. The id check is
-vectorised: one ``aminmax`` over all ids of the group, and one per feature only when that first
-pass cannot clear the group (tables of different sizes, or a bad id to locate).
+:func:`check_features` raises before any kernel runs (so before any weight or state changes) on a
+missing feature, bad dtypes or an id out of range, naming the feature, its table and the value.
 """
 
 from __future__ import annotations
@@ -41,11 +37,7 @@ class TBEInput(NamedTuple):
 
 
 class FeatureLayout:
-    """What a group of tables expects of its input, precomputed once per kernel.
-
-    Args:
-        config: the group the kernel serves.
-    """
+    """What a group of tables expects of its input, precomputed once per kernel."""
 
     def __init__(self, config: GroupedEmbeddingConfig) -> None:
         self.feature_names: list[str] = config.feature_names()
@@ -135,9 +127,7 @@ def _raise_bad_id(
 def to_tbe_input(features: KeyedJaggedTensor, *, weighted: bool) -> TBEInput:
     """The TBE arguments for ``features`` (no copy when ids and offsets are already int64).
 
-    Args:
-        features: the group's input, already checked with :func:`check_features`.
-        weighted: pass the features' weights as per-sample weights.
+    ``features`` must have passed :func:`check_features`; ``weighted`` passes its weights.
     """
     weights = features.weights_or_none() if weighted else None
     if weights is not None and weights.dtype != torch.float32:

@@ -1,13 +1,8 @@
 """Key-value kernels: tables in FBGEMM's SSD-backed store behind a device cache (CUDA only).
 
-``KeyValueEmbeddingBag`` (pooled) and ``KeyValueEmbedding`` (sequence) wrap FBGEMM's
-``SSDTableBatchedEmbeddingBags``, whose weights live in a RocksDB store on local disk with hot
-rows cached on the GPU and whose optimizer (row-wise Adagrad) runs in the backward.
-
-Guarantees: on any device but CUDA construction raises a ``ValueError`` saying what to use
-instead (compute kernel ``fused``: weights in host memory, every optimizer); input is checked
-before every lookup; as in TorchRec, the weights are not part of the module's state dict (they
-live in the store) and the fused optimizer exposes only the learning rate.
+``KeyValueEmbeddingBag`` / ``KeyValueEmbedding`` wrap ``SSDTableBatchedEmbeddingBags`` (row-wise
+Adagrad in the backward). Elsewhere than CUDA construction raises, saying what to use instead; as
+in TorchRec the weights are not in the state dict and the optimizer exposes only the learning rate.
 """
 
 from __future__ import annotations
@@ -53,12 +48,7 @@ def check_key_value_device(device: torch.device | str | None, tables: list[str])
 
 
 class KeyValueFusedOptimizer(FusedOptimizer):
-    """The learning rate of a key-value kernel (its state stays in the store).
-
-    Args:
-        set_learning_rate: pushes a learning rate to the kernel.
-        learning_rate: the current learning rate.
-    """
+    """The learning rate of a key-value kernel (its state stays in the store)."""
 
     def __init__(self, set_learning_rate: Callable[[float], None], learning_rate: float) -> None:
         self._set_learning_rate = set_learning_rate
@@ -153,9 +143,7 @@ class KeyValueEmbeddingBag(_KeyValueKernel):
     """Pooled tables in FBGEMM's SSD key-value store (CUDA only).
 
     Args:
-        config: the group of tables (compute kernel ``key_value``, ROWWISE_ADAGRAD).
-        pg: the process group of the tables' shards.
-        device: a CUDA device.
+        config: compute kernel ``key_value``, ROWWISE_ADAGRAD.
         key_value_params: store options (directory, RocksDB shards, L2 cache size).
 
     Raises:

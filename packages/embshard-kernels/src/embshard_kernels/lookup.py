@@ -1,15 +1,8 @@
 """Table-batched lookups in plain torch, laid out exactly as FBGEMM's TBE lays them out.
 
-Used where FBGEMM cannot serve a call faithfully: the plain-torch fused kernel (optimizers
-FBGEMM refuses), sequence lookups of the dense kernel (FBGEMM's CPU dense TBE sum-pools when
-asked for no pooling) and variable batch sizes in the dense kernel (its CPU path ignores them).
-
-Layout (FBGEMM's): ids and bags are feature-major. Pooled output is ``[batch, sum of dims]``,
-feature ``f`` in its own column block; with batch sizes per feature and rank it is flat,
-rank-major then feature-major, each block ``[batch of f on rank r, dim of f]``. Sequence output
-is ``[ids, dim]``. MEAN divides by the bag's length (empty bags give zeros). Guarantees:
-differentiable w.r.t. the table weights and the per-sample weights; one torch call per feature,
-never a Python loop over ids or bags.
+Ids and bags are feature-major; pooled output is ``[batch, sum of dims]``, or flat (rank-major,
+then feature-major) with per-feature batch sizes; sequence output is ``[ids, dim]``. Differentiable
+w.r.t. weights and per-sample weights; one torch call per feature, never a loop over ids.
 """
 
 from __future__ import annotations
@@ -86,13 +79,8 @@ def pooled_lookup(
     """Pool the bags of every feature from its table.
 
     Args:
-        tables: per table, its ``[rows, dim]`` weights.
         feature_table_map: per feature, the index of its table.
-        indices: ids of every bag, feature-major.
-        offsets: bag boundaries (one more than the bags).
         per_sample_weights: per-id weights (SUM only), or ``None``.
-        pooling: ``SUM`` or ``MEAN``.
-        batch_size_per_feature_per_rank: batch sizes per feature and rank, or ``None``.
         layout: the call's layout, if already read.
 
     Returns:

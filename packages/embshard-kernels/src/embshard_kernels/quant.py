@@ -1,15 +1,8 @@
 """Quantized inference kernels: row-wise INT8 / INT4 / INT2 (and FP16 / FP32) tables.
 
-``QuantBatchedEmbeddingBag`` (pooled) and ``QuantBatchedEmbedding`` (sequence) wrap FBGEMM's
-``IntNBitTableBatchedEmbeddingBagsCodegen``. They are built from a trained float kernel with
-``from_float``, which quantizes each row with FBGEMM's own quantizer (per-row fp16 scale and
-bias, ``bits`` per element) and records, per table, the largest absolute difference between
-the dequantized and the float weights in ``quantization_error``.
-
-Guarantees: the per-element error of a row is at most half its quantization step,
-``(max - min) / (2**bits - 1) / 2``, plus fp16 rounding of scale and bias (tested); input is
-checked before every lookup; state dicts hold ``{table}.weight`` (the packed uint8 rows) and
-``{table}.weight_qscaleshift`` (fp16 scale and bias as 4 bytes per row) as live views.
+``QuantBatchedEmbeddingBag`` / ``QuantBatchedEmbedding`` wrap FBGEMM's IntNBit TBE, built from a
+trained float kernel by ``from_float`` (FBGEMM's quantizer); each element is within half a
+quantization step (plus fp16 rounding) of its float value, recorded in ``quantization_error``.
 """
 
 from __future__ import annotations
@@ -188,9 +181,7 @@ class _QuantKernel(BaseBatchedEmbedding):
     ) -> _QuantKernel:
         """Quantize a trained float kernel (fused or dense) of the same tables.
 
-        Args:
-            module: the float kernel; its config gives the tables.
-            data_type: ``int8``, ``int4``, ``int2``, ``fp16`` or ``fp32``.
+        ``data_type``: ``int8``, ``int4``, ``int2``, ``fp16`` or ``fp32``.
         """
         dt = DataType.parse(data_type, what="quantized data type")
         config = module.config
@@ -221,9 +212,7 @@ def _quantize_into(weight: Tensor, data_type: DataType, holder: QuantTableWeight
 class QuantBatchedEmbeddingBag(_QuantKernel):
     """Pooled (SUM / MEAN) quantized inference tables.
 
-    Args:
-        config: the group of tables (compute kernel ``quant``, a quantized or float data type).
-        device: where the kernel runs (``None``: the CPU).
+    ``config``: compute kernel ``quant``; ``device`` ``None`` is the CPU.
     """
 
     _SEQUENCE = False

@@ -1,16 +1,8 @@
 """Summing gradient rows per distinct row id with one sparse product (CPU, float32).
 
-Both the fast pooled backward (bags' gradients summed into the rows they read) and the
-data-parallel row exchange (every rank's rows summed per row) reduce to the same two steps:
-
-- :func:`group_rows`: one stable sort of the row ids gives the distinct rows (sorted), the CSR
-  row pointers of a ``[distinct rows x entries]`` matrix, and the order of the entries;
-- :func:`sparse_product`: that matrix (values 1, or per-entry weights) times a dense
-  ``[entries, width]`` matrix, by one ``addmm`` into a given output.
-
-Guarantees: each distinct row's entries keep their input order (stable sort); nothing is
-allocated per entry besides the index vectors; torch's "sparse CSR is beta" warning is kept out
-of the caller's output.
+:func:`group_rows` sorts the row ids once (stably) into a CSR ``[distinct rows x entries]``
+pattern; :func:`sparse_product` multiplies it with the entries' rows by one ``addmm``. Used by
+the fast pooled backward and the data-parallel row exchange.
 """
 
 from __future__ import annotations

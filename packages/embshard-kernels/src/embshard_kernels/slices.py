@@ -1,12 +1,8 @@
 """Per-table views into a batched kernel's flat weight buffer.
 
-A batched kernel keeps all its tables in one 1-D buffer. ``TableBatchedEmbeddingSlice`` is a
-``[rows, dim]`` ``nn.Parameter`` that aliases one table's region of that buffer, and
-``TableWeight`` is the one-attribute module that holds it as ``weight``, so that state dicts,
-``named_parameters()`` and ``load_state_dict`` see ``{table}.weight`` entries that are the live
-weights. Guarantees: no copy is made, either way (writes through the buffer are visible in the
-slice and vice versa); the slice's ``grad`` is the same region of the buffer's gradient, so a
-dense optimizer stepping the slices updates the buffer.
+``TableBatchedEmbeddingSlice`` is a ``[rows, dim]`` ``nn.Parameter`` aliasing one table's region
+(no copy, either way; its ``grad`` is the same region of the buffer's gradient), and
+``TableWeight`` holds it as ``weight`` so state dicts see ``{table}.weight``.
 """
 
 from __future__ import annotations
@@ -20,13 +16,6 @@ from torch import Tensor, nn
 
 class TableBatchedEmbeddingSlice(nn.Parameter):
     """A ``[num_embeddings, embedding_dim]`` parameter aliasing ``data[start_offset:end_offset]``.
-
-    Args:
-        data: the 1-D buffer of a batched kernel.
-        start_offset: index of the table's first element in ``data``.
-        end_offset: one past its last element.
-        num_embeddings: rows of the view.
-        embedding_dim: columns of the view.
 
     Raises:
         ValueError: the region does not fit ``data`` or does not hold ``rows * dim`` elements.
@@ -132,11 +121,7 @@ class TableBatchedEmbeddingSlice(nn.Parameter):
 
 
 class TableWeight(nn.Module):
-    """Holds one table's weight as ``weight`` (so state dict keys read ``{table}.weight``).
-
-    Args:
-        weight: the table's parameter (usually a :class:`TableBatchedEmbeddingSlice`).
-    """
+    """Holds one table's weight as ``weight`` (so state dict keys read ``{table}.weight``)."""
 
     weight: nn.Parameter
 

@@ -1,21 +1,14 @@
-""" "Anything that looks like a fused TBE", and FBGEMM's training TBE behind that face.
+"""The fused TBE protocol, FBGEMM's training TBE behind it, and the choice of fused path.
 
-``FusedTBE`` is the protocol the fused kernels compose: a module called with
-``(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)`` that applies its
-optimizer inside the backward, and exposes its weights, optimizer state and learning rate.
-:class:`FbgemmFusedTBE` wraps ``SplitTableBatchedEmbeddingBagsCodegen``;
-``embshard_kernels.torch_fused.TorchFusedTBE`` implements the same protocol in plain torch for
-optimizers FBGEMM cannot run on a device, and for RowWiseAdagrad on pooled CPU tables, where its
-fast path (``embshard_kernels.fast_pooled``) beats FBGEMM's CPU backward.
-:func:`build_fused_tbe` picks one.
-
-Guarantees: optimizer state comes back keyed by embshard's names (``spec.state_names()``,
-e.g. ``momentum1``), whatever FBGEMM calls it; the weight buffer returned by
-:meth:`FusedTBE.weight_buffer` is the kernel's own storage (slices of it are live weights).
+``FusedTBE`` is what the fused kernels compose: a lookup whose backward applies the optimizer.
+:class:`FbgemmFusedTBE` wraps ``SplitTableBatchedEmbeddingBagsCodegen``; ``TorchFusedTBE`` is
+the plain-torch one. :func:`choose_fused_path` picks the path, :func:`build_fused_tbe` builds it.
+Optimizer state comes back keyed by ``spec.state_names()``, whatever FBGEMM calls it.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -43,14 +36,19 @@ from embshard_optim.specs import OptimizerSpec, OptimType
 Backend = Literal["auto", "fbgemm", "torch"]
 
 FASTER_THAN_FBGEMM = (OptimType.ROWWISE_ADAGRAD,)
-"""Optimizers whose plain-torch fast path ``"auto"`` prefers to FBGEMM on the CPU.
+"""Optimizers whose fast pooled path ``"auto"`` prefers to FBGEMM on the CPU (see
+``benchmarks/README.md``); FBGEMM's CPU SGD is fast already."""
 
-Measured with one thread, contenders interleaved in one run: on benchmark K1 (4 x 100k x 64,
-batch 2,048, 20 ids per bag) a RowWiseAdagrad step takes about half of FBGEMM's CPU TBE time; on
-a W2-like group (26 tables up to 200k x 128, power-law ids) about as long or less. SGD is not
-listed: FBGEMM's CPU SGD backward is fast already (on K1 the fast path's SGD step is ~1.5x
-longer than FBGEMM's).
-"""
+
+class FusedPath(Enum):
+    """Where a group's fused update runs."""
+
+    FBGEMM = "fbgemm"
+    """FBGEMM's TBE."""
+    TORCH_FAST = "torch_fast"
+    """``TorchFusedTBE`` on its fast pooled path (``embshard_kernels.fast_pooled``)."""
+    TORCH = "torch"
+    """``TorchFusedTBE`` on its general path (the sparse update rules, table by table)."""
 
 
 @runtime_checkable
@@ -99,11 +97,7 @@ class FusedTBE(Protocol):
 class FbgemmFusedTBE(nn.Module):
     """FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` seen as a :class:`FusedTBE`.
 
-    Args:
-        config: the tables (widths must be multiples of 4).
-        spec: the optimizer.
-        params: output dtype, bounds-check mode and cache options.
-        device: where the kernel runs (``None``: the CPU).
+    ``config``'s widths must be multiples of 4; ``device`` ``None`` is the CPU.
     """
 
     def __init__(
@@ -194,6 +188,36 @@ class FbgemmFusedTBE(nn.Module):
         return buffer, [int(x) for x in self.module.weights_physical_offsets]
 
 
+def choose_fused_path(
+    config: GroupedEmbeddingConfig,
+    spec: OptimizerSpec,
+    device: torch.device | str | None,
+    backend: Backend = "auto",
+) -> FusedPath:
+    """The path that runs ``spec`` for ``config`` on ``device``.
+
+    Raises:
+        ValueError: ``backend="fbgemm"`` with an optimizer FBGEMM cannot run on ``device``.
+    """
+    fbgemm_cannot = fbgemm_refusal(spec, device)
+    fast_fits = fast_path_refusal(config, spec, device) is None
+    torch_path = FusedPath.TORCH_FAST if fast_fits else FusedPath.TORCH
+    if backend == "fbgemm" and fbgemm_cannot is not None:  # forced, but FBGEMM cannot
+        raise ValueError(
+            f"backend='fbgemm' cannot serve tables {config.table_names()}: {fbgemm_cannot}; "
+            "use backend='auto' (embshard's sparse update rules run it)"
+        )
+    if backend == "fbgemm":  # forced
+        return FusedPath.FBGEMM
+    if backend == "torch":  # forced: the fast path wherever it fits
+        return torch_path
+    if fbgemm_cannot is not None:  # FBGEMM cannot run the optimizer faithfully here
+        return torch_path
+    if fast_fits and spec.optim_type in FASTER_THAN_FBGEMM:  # the fast path beats FBGEMM
+        return FusedPath.TORCH_FAST
+    return FusedPath.FBGEMM  # FBGEMM serves it well
+
+
 def build_fused_tbe(
     config: GroupedEmbeddingConfig,
     params: FusedParams,
@@ -201,16 +225,9 @@ def build_fused_tbe(
     *,
     backend: Backend = "auto",
 ) -> FusedTBE:
-    """The fused TBE for ``config``: FBGEMM's or embshard's plain-torch one.
-
-    ``"auto"`` takes the torch TBE where FBGEMM cannot run ``params.optimizer`` faithfully on
-    ``device``, and where the torch TBE's fast path serves the group with an optimizer in
-    :data:`FASTER_THAN_FBGEMM` (pooled fp32 tables on the CPU); FBGEMM's elsewhere.
+    """The fused TBE of :func:`choose_fused_path` for ``config``.
 
     Args:
-        config: the tables.
-        params: optimizer and kernel options.
-        device: where the kernel runs.
         backend: ``"auto"``, or force ``"fbgemm"`` / ``"torch"``.
 
     Raises:
@@ -218,16 +235,7 @@ def build_fused_tbe(
     """
     from embshard_kernels.torch_fused import TorchFusedTBE
 
-    spec = params.optimizer
-    refusal = fbgemm_refusal(spec, device)
-    if backend == "fbgemm" and refusal is not None:
-        raise ValueError(
-            f"backend='fbgemm' cannot serve tables {config.table_names()}: {refusal}; "
-            "use backend='auto' (embshard's sparse update rules run it)"
-        )
-    faster = spec.optim_type in FASTER_THAN_FBGEMM and (
-        fast_path_refusal(config, spec, device) is None
-    )
-    if backend == "torch" or (backend == "auto" and (refusal is not None or faster)):
-        return TorchFusedTBE(config, params, device)
-    return FbgemmFusedTBE(config, spec, params, device)
+    path = choose_fused_path(config, params.optimizer, device, backend)
+    if path is FusedPath.FBGEMM:
+        return FbgemmFusedTBE(config, params.optimizer, params, device)
+    return TorchFusedTBE(config, params, device, fast=path is FusedPath.TORCH_FAST)

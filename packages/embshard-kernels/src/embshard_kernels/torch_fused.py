@@ -1,35 +1,9 @@
 """A fused TBE in plain torch: the optimizer runs inside the backward, as in FBGEMM.
 
-For optimizers FBGEMM's TBE cannot run faithfully on a device (on the CPU: Adam, partial
-row-wise Adam, LAMB, partial row-wise LAMB, LARS-SGD, and weight decay or max-norm of
-RowWiseAdagrad), ``TorchFusedTBE`` serves the same :class:`~embshard_kernels.tbe.FusedTBE`
-protocol: weights live in one flat buffer (so per-table slices work alike), the forward uses
-``torch.nn.functional.embedding_bag`` / ``embedding``, and a custom autograd function's backward
-sums each touched row's gradient and applies embshard-optim's sparse update rule to those rows.
-
-Guarantees: the weights and optimizer state change only in the backward, only on touched rows,
-by exactly the rule's formula on the per-row summed gradient (the same math FBGEMM's exact
-optimizers apply); gradients w.r.t. per-sample weights are computed with the weights as they
-were before the update; output layout matches FBGEMM's (see :mod:`embshard_kernels.lookup`).
-
-Two hooks let a sharded collection change what the update sees (both ``None`` by default):
-``grad_exchange(label, rows, grads, num_rows) -> (rows, grads)`` is called for every block of
-rows in every backward, even one whose batch touched no row (so that replicas can exchange their
-rows in a collective), with the block's label, its touched rows (sorted, distinct, int64,
-relative to the block), their summed gradients and the block's number of rows, and its result is
-what the rule applies. A block is one table
-(label: its name) on the general path and a run of same-width tables (label: their names joined
-by ``+``) on the fast path; every rank with the same configuration makes the same calls in the
-same order. ``row_reductions[table]`` is the
-:class:`~embshard_optim.sparse_rules.base.RowReduction` of a table whose columns are split across
-shards (row-wise statistics over the full rows).
-
-Where :func:`~embshard_kernels.fast_pooled.fast_path_refusal` allows it (SUM / MEAN pooled
-float32 tables on the CPU, SGD or RowWiseAdagrad without weight decay or max-norm), the lookup
-and the update run on :class:`~embshard_kernels.fast_pooled.FastPooledPath` (one sort and one
-sparse product per step, row-wise state in one flat buffer), hooks included; a backward that
-needs the gradient of per-sample weights, or row reductions on a run of several tables, takes
-the general path, which gives the same result.
+``TorchFusedTBE`` serves the :class:`~embshard_kernels.tbe.FusedTBE` protocol for what FBGEMM
+cannot run faithfully, and on the fast pooled path. Weights and state change only in the
+backward, only on touched rows, by embshard-optim's update functions on the per-row summed
+gradients. Hooks ``grad_exchange`` and ``row_reductions`` let a sharded collection adjust them.
 """
 
 from __future__ import annotations
@@ -52,17 +26,24 @@ from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.vocab import PoolingType
 
 GradExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
-"""``(block label, rows, summed grads, block rows) -> (rows, grads)`` to apply (see the module
-docstring)."""
+"""``(block label, rows, summed grads, block rows) -> (rows, grads)`` to apply."""
 
 
 class TorchFusedTBE(nn.Module):
-    """Plain-torch fused TBE (see the module docstring).
+    """Plain-torch fused TBE, on the fast pooled path where it fits, else table by table.
+
+    ``grad_exchange`` (``None``: off) is called for every block of rows in every backward, even
+    one with no touched row, in the same order on every rank: a table (label: its name) on the
+    general path, a run (names joined by ``+``) on the fast path; it gets the touched rows
+    (sorted, int64, relative to the block) and their summed gradients, and returns what to apply.
+    ``row_reductions[table]`` completes row-wise statistics of a column shard. A backward that
+    needs per-sample-weight gradients, or reductions a run cannot take, uses the general path.
 
     Args:
         config: the tables.
         params: the optimizer (any ``OptimType``) and the output dtype.
         device: where the weights and state live.
+        fast: use the fast pooled path (``None``: wherever it fits).
     """
 
     def __init__(
@@ -70,8 +51,13 @@ class TorchFusedTBE(nn.Module):
         config: GroupedEmbeddingConfig,
         params: FusedParams,
         device: torch.device | str | None = None,
+        *,
+        fast: bool | None = None,
     ) -> None:
         super().__init__()
+        refusal = fast_path_refusal(config, params.optimizer, device)
+        if fast and refusal is not None:
+            raise ValueError(f"tables {config.table_names()}: {refusal}")
         dtype = data_type_to_dtype(config.data_type)
         shapes = [(t.rows, t.cols) for t in config.embedding_tables]
         starts = [0]
@@ -87,7 +73,7 @@ class TorchFusedTBE(nn.Module):
         self.pooling = config.pooling
         self.output_dtype = data_type_to_dtype(params.output_dtype)
         self.rule = rule_for(params.optimizer)
-        fast = fast_path_refusal(config, params.optimizer, device) is None
+        fast = refusal is None if fast is None else fast
         self.fast = FastPooledPath(config, self._starts) if fast else None
         if self.fast is not None:  # row-wise state only: one flat buffer, viewed per table
             total = sum(rows for rows, _ in shapes)
@@ -224,6 +210,7 @@ class TorchFusedTBE(nn.Module):
                     self.rule.spec,
                     exchange=self.grad_exchange,
                     reductions=reductions,
+                    step=self.step,
                 )
                 return None
         per_id = self._per_id_grads(grad_output.float(), offsets, per_sample_weights, layout)

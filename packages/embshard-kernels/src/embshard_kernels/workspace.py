@@ -1,16 +1,8 @@
-"""Buffers reused from one step to the next by the kernels and collectives that fill large
-tensors every step.
+"""Buffers reused from one step to the next by code that fills large tensors every step.
 
-A fresh tensor above glibc's largest mmap threshold (32 MiB) is mapped anew on every
-allocation, and each of its 4 KiB pages faults on first touch: on the machines embshard is
-measured on that costs about as much as writing the tensor three times. A :class:`Workspace`
-keeps one flat buffer per name and hands out views of it, growing by a quarter when a request
-outgrows it.
-
-Guarantee: a view stays valid until the next :meth:`Workspace.take` of the same name; callers
-hand results that live in a workspace only to code that consumes them before the next step.
-A :class:`BufferPool` lends flat buffers to one call at a time (calls that overlap get
-different buffers) and takes them back when the call is done with them.
+A :class:`Workspace` keeps one flat buffer per name and hands out views of it (valid until the
+next ``take`` of that name), sparing the page faults of a fresh large allocation. A
+:class:`BufferPool` lends buffers to one call at a time.
 """
 
 from __future__ import annotations
@@ -31,14 +23,8 @@ class Workspace:
     def take(
         self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
     ) -> Tensor:
-        """An uninitialised ``shape`` tensor viewing buffer ``name``.
-
-        Args:
-            name: the buffer.
-            shape: the view's shape.
-            dtype: its dtype (a buffer of another dtype or device is replaced).
-            device: its device.
-        """
+        """An uninitialised ``shape`` tensor viewing buffer ``name`` (a buffer of another dtype
+        or device is replaced)."""
         numel = math.prod(shape)
         flat = self._flat.get(name)
         if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:

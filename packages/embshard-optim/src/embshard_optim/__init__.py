@@ -1,9 +1,6 @@
 """embshard-optim: optimizers whose state is keyed by name and sharded like the tables.
 
-Keyed and combined optimizers, fused optimizers (applied inside the backward pass), the
-embedding fused optimizer exposing per-table state as ShardedTensor / DTensor, optimizer specs,
-plain-torch sparse update rules (``embshard_optim.sparse_rules``), warm-up and clipping. Depends
-on torch and embshard-types only; never imports FBGEMM.
+Depends on torch and embshard-types only; never imports FBGEMM.
 """
 
 from __future__ import annotations

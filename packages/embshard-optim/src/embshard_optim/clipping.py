@@ -1,15 +1,8 @@
 """Gradient clipping before a keyed optimizer's step, with norms taken across sharded parameters.
 
-:class:`GradientClippingOptimizer` clips the gradients of the wrapped optimizer's parameters,
-then steps it. ``VALUE`` clamps every gradient element to ``[-max_gradient, max_gradient]``.
-``NORM`` scales all gradients by ``min(1, max_gradient / (total_norm + 1e-6))``, as
-``torch.nn.utils.clip_grad_norm_`` does, where ``total_norm`` is the norm of all gradients of the
-whole (unsharded) model: gradients of sharded parameters (``DTensor`` parameters placed with
-``Shard``, and plain tensors named in ``sharded_params``, which hold this rank's shard) are
-reduced over the process group; replicated ones are counted once. Guarantees: with sharded
-parameters every rank must call ``step`` (it runs one collective), so every rank must wrap the
-same sharded parameters (trainable sharded ``DTensor`` parameters are found automatically); the
-result equals clipping the unsharded model.
+``VALUE`` clamps each element; ``NORM`` scales as ``clip_grad_norm_`` does with the norm of the
+whole unsharded model (sharded gradients reduced over the process group, replicated ones counted
+once), so every rank must call ``step``. The result equals clipping the unsharded model.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Several keyed optimizers (fused and dense) driven as one.
 
-A sharded model has one fused optimizer per embedding kernel and a dense optimizer for the rest.
-:class:`CombinedOptimizer` steps, zeroes, saves and loads them together, naming each parameter
-``"{prefix}.{name}"`` (or ``name`` without a prefix, ``prefix`` alone for an empty name).
-
-Guarantees: names are unique (a clash raises ``ValueError`` naming it); ``state`` is a live view
-of the children's state; ``param_groups`` are the children's own group dicts, so a learning-rate
-change made through the combined optimizer (or an LR scheduler on it) reaches the child.
+:class:`CombinedOptimizer` steps, zeroes, saves and loads them together under
+``"{prefix}.{name}"``; names are unique, ``state`` is a live view and ``param_groups`` are the
+children's own dicts (a learning-rate change reaches the child).
 """
 
 from __future__ import annotations

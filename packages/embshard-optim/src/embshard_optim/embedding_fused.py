@@ -1,17 +1,9 @@
 """The fused optimizer of an embedding kernel: its tables' state, exposed by table and by name.
 
-A fused embedding kernel (FBGEMM's TBE, or embshard's plain-torch one) updates its tables in the
-backward pass and keeps the optimizer state itself. :class:`EmbeddingFusedOptimizer` exposes that
-state as a :class:`~embshard_optim.keyed.KeyedOptimizer`: parameter ``"{table}.weight"`` with
-state ``"{table}.momentum1"``, ``"{table}.momentum2"``... (the kernel's states in order; the names
-do not depend on what the kernel calls them, so checkpoints stay readable across versions), each
-a ``ShardedTensor`` (or ``DTensor``, or a plain tensor for an unsharded table) over the kernel's
-own buffers, laid out as :mod:`embshard_optim.sharded_state` describes. Its ``step()`` and
-``zero_grad()`` push the learning rate of its param group to the kernel.
-
-Guarantees: nothing is copied (loading a checkpoint writes into the kernel); every table shard,
-weight and state shape is checked against the given shard metadata at construction, with errors
-naming the table; no FBGEMM import (the kernel is anything that fits :class:`FusedKernelLike`).
+:class:`EmbeddingFusedOptimizer` is a ``KeyedOptimizer`` over the kernel's own buffers:
+parameter ``"{table}.weight"``, state ``"{table}.momentum1"``... as ``ShardedTensor`` /
+``DTensor`` / plain tensors (no copies: loading writes into the kernel). Shapes are checked
+against the shard metadata at construction; ``step()`` pushes the learning rate to the kernel.
 """
 
 from __future__ import annotations
@@ -66,16 +58,9 @@ class FusedKernelLike(Protocol):
 class TableShardInfo:
     """One table shard held by a fused kernel, and where the table's other shards are.
 
-    Args:
-        name: the table's name.
-        num_embeddings: rows of the whole table.
-        embedding_dim: columns of the whole table.
-        local_shard: this shard (2-D offsets and sizes, placement on this rank).
-        all_shards: every shard of the table, across ranks (``local_shard`` among them).
-
     Raises:
         ValueError: the shards are not 2-D, do not tile the table, or ``local_shard`` is not
-            among them.
+            among ``all_shards``.
     """
 
     name: str
@@ -134,20 +119,17 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
     """The keyed view of a fused embedding kernel's tables and optimizer state.
 
     Args:
-        kernel: the fused kernel (see :class:`FusedKernelLike`).
-        tables: one entry per table shard the kernel holds, in the kernel's order; a table
-            split into several local shards (e.g. column blocks) appears once per shard.
+        tables: one entry per table shard the kernel holds, in the kernel's order.
         learning_rate: the kernel's current learning rate (the param group's ``"lr"``).
         pg: the process group the shard placements refer to (``None``: the default group).
-        state_format: expose weights and state as ``ShardedTensor`` (default), ``DTensor``,
-            or plain tensors (``TENSOR``: unsharded tables only, no process group needed).
-        create_for_table: build the optimizer for this table only (its parameter key is
-            ``""``, so a ``CombinedOptimizer`` prefix names it); it shares the kernel.
+        state_format: ``ShardedTensor`` (default), ``DTensor``, or plain tensors (``TENSOR``:
+            unsharded tables only).
+        create_for_table: the optimizer of this table only (parameter key ``""``).
         param_weight_for_table: with ``create_for_table``, the parameter to key the state by.
 
     Raises:
         ValueError: the kernel's lists do not match ``tables``, a shape disagrees with the shard
-            metadata, a table's entries disagree, or the arguments do not fit together.
+            metadata, or the arguments do not fit together.
     """
 
     def __init__(
@@ -240,11 +222,7 @@ class EmbeddingFusedOptimizer(FusedOptimizer):
         self._push_learning_rate()
 
     def set_optimizer_step(self, step: int) -> None:
-        """Set the kernel's step counter (Adam / LAMB bias correction).
-
-        Raises:
-            TypeError: the kernel has no ``set_optimizer_step``.
-        """
+        """Set the kernel's step counter (``TypeError`` if it has no ``set_optimizer_step``)."""
         setter = getattr(self._kernel, "set_optimizer_step", None)
         if setter is None:
             raise TypeError(

@@ -1,10 +1,8 @@
 """Optimizers fused into a kernel's backward pass, and modules that own one.
 
-A fused optimizer updates weights inside the kernel's backward; its ``step()`` and
-``zero_grad()`` only push hyperparameter changes (the learning rate) to the kernel. It still is a
-:class:`~embshard_optim.keyed.KeyedOptimizer`, so its state is saved and loaded by name with the
-rest of the model's optimizers. Guarantees: ``init_state()`` is a no-op (the kernel's state always
-exists); :class:`EmptyFusedOptimizer` has no parameters and does nothing.
+A fused optimizer updates weights inside the kernel's backward; its ``step()`` and ``zero_grad()``
+only push hyperparameter changes to the kernel, and its state is saved by name like any
+``KeyedOptimizer``'s.
 """
 
 from __future__ import annotations

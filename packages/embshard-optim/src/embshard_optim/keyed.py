@@ -1,16 +1,8 @@
 """Optimizers whose parameters and state are keyed by parameter name.
 
-A ``torch.optim`` state dict numbers parameters by position, which changes with the model's
-sharding and the world size. A :class:`KeyedOptimizer` names them instead, so a sharded model's
-optimizer state dict is the same on every rank and in every world size, and can be saved, loaded
-and resharded like the model's own state dict.
-
-Guarantees: ``state_dict()`` returns ``{"state": {name: {state_key: value}}, "param_groups":
-[{"params": [sorted names], hyperparameters...}]}`` with tensors by reference (not copied);
-``load_state_dict`` checks everything first (missing, unexpected and mis-shaped keys, all
-listed in one ``ValueError``) and only then copies into the existing tensors in place, so
-sharded state stays in the kernels' buffers; ``init_state()`` materialises zero state for
-parameters that have none, without changing any parameter.
+A :class:`KeyedOptimizer`'s state dict names parameters instead of numbering them, so it is the
+same on every rank and world size. ``load_state_dict`` checks everything first (all problems in
+one ``ValueError``), then copies in place, so sharded state stays in the kernels' buffers.
 """
 
 from __future__ import annotations
@@ -27,13 +19,8 @@ from embshard_optim.state_io import copy_state, state_mismatches
 
 
 class MergedState(Mapping[Any, Any]):
-    """A live, read-only view of several optimizers' ``state`` mappings as one.
-
-    Looking a key up never creates an entry in a ``defaultdict`` part.
-
-    Args:
-        parts: the state mappings, searched in order.
-    """
+    """A live, read-only view of several ``state`` mappings (searched in order) as one; a
+    look-up never creates an entry in a ``defaultdict`` part."""
 
     def __init__(self, parts: Sequence[Mapping[Any, Any]]) -> None:
         self._parts = list(parts)
@@ -63,10 +50,8 @@ class KeyedOptimizer(torch.optim.Optimizer):
 
     Args:
         params: parameter name -> parameter (a ``Tensor``, ``ShardedTensor`` or ``DTensor``).
-        state: parameter -> its state (``{state_key: value}``); kept by reference, so a live
-            mapping stays live.
-        param_groups: ``torch.optim``-style groups (``{"params": [...], "lr": ...}``); kept by
-            reference.
+        state: parameter -> ``{state_key: value}``, kept by reference.
+        param_groups: ``torch.optim``-style groups, kept by reference.
 
     Raises:
         ValueError: a parameter appears under two names, a state or group refers to a tensor
@@ -146,15 +131,10 @@ class KeyedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict saved by an optimizer over the same named parameters.
 
-        Tensors are copied into the existing ones in place (local shards of sharded state
-        included); hyperparameters of the param groups are replaced.
-
-        Args:
-            state_dict: as returned by :meth:`state_dict`.
+        Tensors are copied in place (local shards included); group hyperparameters replaced.
 
         Raises:
-            ValueError: listing every missing, unexpected or mis-shaped key, before anything
-                is changed.
+            ValueError: listing every missing, unexpected or mis-shaped key, before any change.
         """
         if not isinstance(state_dict, Mapping) or "state" not in state_dict:
             raise ValueError("an optimizer state dict must be a mapping with a 'state' entry")
@@ -238,12 +218,9 @@ class KeyedOptimizer(torch.optim.Optimizer):
     def init_state(self, sparse_grad_parameter_names: Collection[str] | None = None) -> None:
         """Create zero state for every trainable parameter that has none yet.
 
-        Takes one optimizer step on zero gradients for those parameters only (others are
-        skipped for the step), then zeroes the new state (step counters included) and restores
-        the parameters and gradients exactly, so that a checkpoint can be loaded into it.
-
-        Args:
-            sparse_grad_parameter_names: parameters whose optimizer expects sparse gradients.
+        One step on zero gradients for those parameters only, then the new state is zeroed and
+        parameters and gradients restored exactly (``sparse_grad_parameter_names``: parameters
+        whose optimizer expects sparse gradients).
         """
         sparse = set(sparse_grad_parameter_names or ())
         unknown = sorted(sparse - set(self.params))
@@ -276,11 +253,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
     # -- stepping --------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """A bare KeyedOptimizer holds state only and cannot step.
-
-        Raises:
-            NotImplementedError: always; use KeyedOptimizerWrapper or a FusedOptimizer.
-        """
+        """Raises ``NotImplementedError``: a bare KeyedOptimizer holds state only and cannot step."""
         raise NotImplementedError(
             f"{type(self).__name__} holds named state only and cannot step; wrap a torch.optim "
             "optimizer with KeyedOptimizerWrapper, or use a FusedOptimizer"
@@ -324,13 +297,8 @@ def _zero_tensors(value: Any) -> None:
 
 
 class KeyedOptimizerWrapper(KeyedOptimizer):
-    """A :class:`KeyedOptimizer` stepped by any ``torch.optim`` optimizer.
-
-    Args:
-        params: parameter name -> parameter.
-        optim_factory: builds the optimizer from the list of parameters, e.g.
-            ``lambda ps: torch.optim.Adam(ps, lr=1e-3)``.
-    """
+    """A :class:`KeyedOptimizer` stepped by the ``torch.optim`` optimizer that
+    ``optim_factory(list of params)`` builds (e.g. ``lambda ps: torch.optim.Adam(ps)``)."""
 
     def __init__(
         self,
@@ -367,14 +335,8 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
 class OptimizerWrapper(KeyedOptimizer):
     """A keyed optimizer that delegates to another and may add named parameters of its own.
 
-    The base of warm-up and clipping wrappers. Its ``params`` are the wrapped optimizer's plus
-    ``extra_params``; its ``state`` is a live view of both; its param groups are the wrapped
-    optimizer's own (so learning-rate changes reach it).
-
-    Args:
-        optimizer: the optimizer to wrap.
-        extra_params: parameters this wrapper adds (e.g. a holder of warm-up state).
-        extra_state: their state.
+    The base of warm-up and clipping wrappers: ``state`` is a live view of the wrapped
+    optimizer's and ``extra_state``; param groups are the wrapped optimizer's own.
     """
 
     def __init__(

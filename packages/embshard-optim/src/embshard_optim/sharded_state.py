@@ -1,17 +1,9 @@
 """How a sharded table's optimizer state is laid out, and the distributed tensors that expose it.
 
-A point-wise state (one value per element, ``[rows, cols]`` per shard) is sharded exactly like the
-weight. A row-wise state (one value per row, ``[rows]`` per shard) follows the weight's row split;
-when the table is also split by columns, each column block keeps its own row-wise state, and the
-blocks are laid end to end: the state is a 1-D tensor of ``num_rows * num_column_blocks`` values
-in which the shard at row offset ``r`` of column block ``b`` (blocks ordered by column offset)
-starts at ``b * num_rows + r`` (TorchRec's layout for column-wise tables).
-
-Guarantees: the layout functions are pure, need no process group, and refuse shard lists that do
-not tile the table exactly (gaps, overlaps, out of bounds) with a message naming the table. The
-tensor builders wrap the given local tensors without copying, so a state loaded into the
-returned ``ShardedTensor`` / ``DTensor`` lands in the kernel's own storage. ``torch.distributed``'s
-sharded-tensor and DTensor modules are imported only when a builder runs.
+Point-wise state is sharded like the weight; row-wise state follows the row split, with one
+``[num_rows]`` block per column block laid end to end (TorchRec's column-wise layout). Layout
+functions are pure and refuse shards that do not tile the table; builders wrap the local tensors
+without copying and import ``torch.distributed`` tensor modules only when they run.
 """
 
 from __future__ import annotations
@@ -49,14 +41,9 @@ class StateFormat(ParsableEnum):
 def check_tiling(specs: Sequence[ShardSpec], size: Sequence[int], what: str) -> None:
     """Check that ``specs`` cover a tensor of ``size`` exactly once.
 
-    Args:
-        specs: the shards.
-        size: the global size.
-        what: the tensor's name, for the message (e.g. ``"table 't1' weight"``).
-
     Raises:
-        ValueError: a shard has the wrong rank, lies outside the tensor, overlaps another, or
-            the shards leave part of the tensor uncovered.
+        ValueError: naming ``what`` (e.g. ``"table 't1' weight"``): a shard of the wrong rank,
+            out of bounds or overlapping another, or part of the tensor uncovered.
     """
     size = tuple(size)
     for spec in specs:
@@ -95,12 +82,7 @@ def _overlap(a: ShardSpec, b: ShardSpec) -> bool:
 def pointwise_state_layout(
     weight_specs: Sequence[ShardSpec], size: Sequence[int]
 ) -> tuple[tuple[ShardSpec, ...], tuple[int, ...]]:
-    """Shards and global size of a point-wise state: those of the weight.
-
-    Args:
-        weight_specs: every shard of the table's weight.
-        size: the table's ``(num_rows, dim)``.
-    """
+    """Shards and global size of a point-wise state: those of the weight."""
     return tuple(weight_specs), tuple(size)
 
 
@@ -108,11 +90,6 @@ def rowwise_state_layout(
     weight_specs: Sequence[ShardSpec], size: Sequence[int], what: str = "table"
 ) -> tuple[tuple[ShardSpec, ...], tuple[int]]:
     """Shards (in ``weight_specs``' order) and global size of a row-wise state.
-
-    Args:
-        weight_specs: every shard of the table's weight (2-D specs).
-        size: the table's ``(num_rows, dim)``.
-        what: the table's name for messages.
 
     Raises:
         ValueError: the column blocks do not each hold a full set of rows (an irregular grid).
@@ -151,9 +128,7 @@ def make_sharded_tensor(
     """A ``ShardedTensor`` over this rank's ``local`` tensors (not copied).
 
     Args:
-        local: ``(tensor, spec)`` for each shard this rank holds; ``spec`` is one of ``specs``.
-        specs: every shard, across ranks.
-        size: the global size.
+        local: ``(tensor, spec)`` for each shard this rank holds (``spec`` among ``specs``).
         pg: the process group the placements' ranks refer to (``None``: the default group).
     """
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -185,15 +160,8 @@ def make_dtensor(
 ) -> DTensor:
     """A ``DTensor`` whose local part is a ``LocalShardsWrapper`` of ``local`` (not copied).
 
-    The wrapper carries each local shard's exact offsets (what checkpointing reads); the
-    placement says how the table is split: ``Replicate`` for one shard, ``Shard(1)`` when only
-    columns are split, else ``Shard(0)``.
-
-    Args:
-        local: ``(tensor, spec)`` for each shard this rank holds.
-        specs: every shard, across ranks.
-        size: the global size.
-        mesh: a 1-D device mesh over the process group's ranks.
+    The wrapper carries each local shard's offsets (what checkpointing reads); the placement
+    is ``Replicate`` for one shard, ``Shard(1)`` when only columns are split, else ``Shard(0)``.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper

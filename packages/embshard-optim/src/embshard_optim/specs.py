@@ -1,17 +1,8 @@
 """What a user asked of an embedding optimizer, in one typed, validated description.
 
-``OptimizerSpec`` is the single currency between the user (who names a ``torch.optim`` class or an
-optimizer by name), the plain-torch sparse rules of :mod:`embshard_optim.sparse_rules` and the
-kernels package (which converts a spec into what FBGEMM runs). Guarantees: specs are frozen and
-hashable; construction validates every number and refuses settings that FBGEMM would silently
-ignore (weight decay on SGD / Adagrad, max-norm on anything but RowWiseAdagrad); a spec never
-depends on FBGEMM.
-
-Weight decay follows FBGEMM's kernels: RowWiseAdagrad applies it as ``L2`` (added to the gradient)
-or ``DECOUPLED`` (weights shrunk by ``lr * weight_decay``); Adam and PartialRowWiseAdam always
-decouple it (AdamW); LAMB and PartialRowWiseLAMB add it to the update before the trust ratio
-(``DECOUPLED``); LARS-SGD adds it to the gradient (``L2``). A spec with ``weight_decay > 0`` and
-mode ``NONE`` takes the optimizer's own mode (``L2`` for RowWiseAdagrad).
+``OptimizerSpec`` is the currency between the user, the sparse update rules and the kernels:
+frozen, hashable, validated, and it refuses settings FBGEMM would silently ignore. Weight decay
+follows FBGEMM's kernels (see :class:`WeightDecayMode`).
 """
 
 from __future__ import annotations
@@ -41,7 +32,12 @@ class OptimType(ParsableEnum):
 
 @unique
 class WeightDecayMode(ParsableEnum):
-    """How weight decay enters the update (FBGEMM's ``WeightDecayMode`` NONE / L2 / DECOUPLED)."""
+    """How weight decay enters the update (FBGEMM's ``WeightDecayMode``).
+
+    As in FBGEMM's kernels: RowWiseAdagrad takes ``L2`` or ``DECOUPLED``; Adam always decouples
+    (AdamW); LAMB adds decay to the update before the trust ratio; LARS-SGD to the gradient.
+    ``NONE`` with ``weight_decay > 0`` means the optimizer's own mode.
+    """
 
     NONE = "none"
     L2 = "l2"
@@ -111,23 +107,17 @@ class OptimizerSpec:
     """One embedding optimizer and its hyperparameters.
 
     Args:
-        optim_type: which optimizer (an ``OptimType`` or its name).
-        learning_rate: step size (``lr`` in ``torch.optim``).
+        optim_type: an ``OptimType`` or its name.
         eps: added to the denominator of Adagrad / Adam / LAMB updates.
-        beta1: first-moment decay (Adam, LAMB families).
-        beta2: second-moment decay (Adam, LAMB families).
-        weight_decay: weight-decay coefficient (see the module docstring for each optimizer).
-        weight_decay_mode: how weight decay is applied; ``NONE`` with a positive
-            ``weight_decay`` selects the optimizer's own mode.
-        momentum: momentum of LARS-SGD.
-        eta: trust coefficient of LARS-SGD.
-        max_norm: RowWiseAdagrad only: rows whose norm exceeds it after the update are scaled
-            back to it (0 disables).
-        stochastic_rounding: round low-precision (FP16) weights stochastically in the kernel.
+        beta1, beta2: moment decays (Adam, LAMB families).
+        weight_decay, weight_decay_mode: see :class:`WeightDecayMode`.
+        momentum, eta: LARS-SGD's momentum and trust coefficient.
+        max_norm: RowWiseAdagrad only: rows longer than it after the update are scaled back
+            to it (0 disables).
+        stochastic_rounding: round FP16 weights stochastically in the kernel.
 
     Raises:
-        ValueError: a number is out of range, or a setting that the optimizer's kernel ignores
-            is set (the message says which and what to use).
+        ValueError: a number out of range, or a setting the optimizer's kernel ignores.
     """
 
     optim_type: OptimType
@@ -192,11 +182,8 @@ class OptimizerSpec:
         return tuple(name for name, _ in _STATE[self.optim_type])
 
     def state_is_rowwise(self, name: str) -> bool:
-        """Whether state ``name`` holds one value per row (else one per element).
-
-        Raises:
-            ValueError: ``name`` is not one of :meth:`state_names`.
-        """
+        """Whether state ``name`` holds one value per row (else per element); ``ValueError`` for
+        a name not in :meth:`state_names`."""
         for state_name, rowwise in _STATE[self.optim_type]:
             if state_name == name:
                 return rowwise
@@ -212,12 +199,9 @@ class OptimizerSpec:
         """Build a spec from an optimizer name and hyperparameters.
 
         Args:
-            name: ``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``, ``"adamw"``,
-                ``"partial_rowwise_adam"``, ``"lamb"``, ``"partial_rowwise_lamb"``, ``"lars_sgd"``
-                (case, ``_``, ``-`` and spaces are ignored; FBGEMM's ``exact_`` prefix is
-                accepted) or an ``OptimType``.
-            **kwargs: spec fields (``learning_rate``, ``beta1``...) or their ``torch.optim``
-                spellings (``lr``, ``betas``).
+            name: an ``OptimType`` or its name, e.g. ``"rowwise_adagrad"`` or ``"adamw"`` (case,
+                ``_``, ``-``, spaces and FBGEMM's ``exact_`` prefix are ignored).
+            **kwargs: spec fields or their ``torch.optim`` spellings (``lr``, ``betas``).
 
         Raises:
             ValueError: unknown name, unknown or conflicting keyword, or an invalid value.
@@ -239,18 +223,11 @@ class OptimizerSpec:
     def from_torch(cls, optim_cls: type, **kwargs: Any) -> OptimizerSpec:
         """Build a spec from a ``torch.optim`` class and the keyword arguments it would take.
 
-        Arguments left out take the class's own defaults (``torch.optim.Adam`` means
-        ``lr=1e-3``). ``torch.optim.SGD``, ``Adagrad``, ``Adam`` and ``AdamW`` are recognised; any
-        other class is looked up by its name (so TorchRec's ``RowWiseAdagrad``, ``LAMB``,
-        ``PartialRowWiseAdam``, ``LarsSGD``... work).
-
-        Args:
-            optim_cls: the optimizer class.
-            **kwargs: its keyword arguments (``lr``, ``betas``, ``eps``, ``weight_decay``...).
+        Left-out arguments take the class's defaults. Classes other than ``torch.optim``'s SGD,
+        Adagrad, Adam and AdamW are looked up by name (TorchRec's ``RowWiseAdagrad``, ``LAMB``...).
 
         Raises:
-            ValueError: the class or an argument has no fused equivalent; the message says what
-                to use instead.
+            ValueError: the class or an argument has no fused equivalent.
         """
         import torch
 

@@ -1,12 +1,8 @@
 """Loading saved optimizer state into the tensors an optimizer already holds.
 
-Optimizer state of sharded tables lives in the kernels' own buffers; loading a checkpoint must
-write into those buffers, never replace them. Guarantees: :func:`state_mismatches` compares a
-saved state with the current one (keys, tensor kinds, global shapes and, for ``ShardedTensor`` /
-``DTensor``, this rank's shard layout) and lists every difference; :func:`copy_state` then copies
-tensors in place (plain tensors, each local shard of a ``ShardedTensor``, each local shard of a
-``DTensor``) and assigns non-tensor values. Neither imports ``torch.distributed._shard`` or
-``torch.distributed.tensor``: a value can only be of those types if they are already loaded.
+:func:`state_mismatches` lists every difference between a saved and the current state;
+:func:`copy_state` then copies in place (into the kernels' buffers, shard by shard). Neither
+imports ``torch.distributed``'s sharded-tensor or DTensor modules.
 """
 
 from __future__ import annotations

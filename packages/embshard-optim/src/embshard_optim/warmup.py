@@ -1,24 +1,8 @@
 """Learning-rate warm-up and decay schedules applied through a keyed optimizer.
 
-:class:`WarmupOptimizer` sets every param group's learning rate to ``lr * multiplier(i)`` after
-each step, ``i`` being the number of steps taken so far, following a list of stages. Stage ``k``
-is in force while ``i <= stages[k].max_iters`` (``max_iters`` counts from the start of training
-and grows from stage to stage); after the last stage the multiplier is 1. With ``v = value``:
-
-=================================  ======================================================
-``LINEAR``                         ``v + (1 - v) * i / max_iters`` (from ``v`` up to 1)
-``CONSTANT``                       ``v``
-``POLY``                           ``max(0, 1 - i / decay_iters) ** v``
-``STEP``                           ``v ** (i // decay_iters)``
-``INVSQRT``                        ``1 / sqrt(max(i, 1))``
-``COSINE_ANNEALING_WARM_RESTARTS`` ``v + (1 - v) * (1 + cos(pi * (i % sgdr_period) / sgdr_period)) / 2``
-``NONE``                           ``1``
-=================================  ======================================================
-
-each times the stage's ``lr_scale``; ``decay_iters`` defaults to ``max_iters`` for ``POLY`` and
-to 1 for ``STEP``. Guarantees: the step counter and stage live in the optimizer state (under
-``param_name``), so they are checkpointed and restored with it; a fused optimizer sees the new
-learning rate at its next ``zero_grad`` / ``step``.
+:class:`WarmupOptimizer` sets each param group's learning rate to ``lr * multiplier(i)`` after
+every step, following stages (see :class:`WarmupPolicy` for the formulas); after the last stage
+the multiplier is 1. The step counter lives in the optimizer state, so it is checkpointed.
 """
 
 from __future__ import annotations
@@ -36,20 +20,28 @@ from embshard_types.vocab import ParsableEnum
 
 @unique
 class WarmupPolicy(ParsableEnum):
-    """The shape of one warm-up stage (TorchRec's ``WarmupPolicy``)."""
+    """The shape of one warm-up stage (TorchRec's ``WarmupPolicy``): its multiplier at step ``i``,
+    with ``v`` the stage's ``value``, times its ``lr_scale``."""
 
     NONE = "none"
+    """``1``."""
     LINEAR = "linear"
+    """``v + (1 - v) * i / max_iters`` (from ``v`` up to 1)."""
     CONSTANT = "constant"
+    """``v``."""
     POLY = "poly"
+    """``max(0, 1 - i / decay_iters) ** v`` (``decay_iters`` defaults to ``max_iters``)."""
     STEP = "step"
+    """``v ** (i // decay_iters)`` (``decay_iters`` defaults to 1)."""
     INVSQRT = "inv_sqrt"
+    """``1 / sqrt(max(i, 1))``."""
     COSINE_ANNEALING_WARM_RESTARTS = "cosine_annealing_warm_restarts"
+    """``v + (1 - v) * (1 + cos(pi * (i % sgdr_period) / sgdr_period)) / 2``."""
 
 
 @dataclass(frozen=True)
 class WarmupStage:
-    """One stage of a schedule (see the module docstring for the formulas).
+    """One stage of a schedule, in force while ``i <= max_iters`` (formulas: ``WarmupPolicy``).
 
     Args:
         policy: the stage's shape.
@@ -115,7 +107,7 @@ class WarmupOptimizer(OptimizerWrapper):
 
     Args:
         optimizer: the optimizer whose param groups get the learning rate.
-        stages: the schedule (see the module docstring).
+        stages: the schedule (see :class:`WarmupStage`).
         lr: the base learning rate the multipliers apply to.
         lr_param: the param-group key to set.
         param_name: the name under which the schedule's state is saved.

@@ -1,12 +1,8 @@
 """Plain-torch sparse update rules: FBGEMM's fused optimizers, restricted to the touched rows.
 
-FBGEMM's CPU kernels run only SGD, Adagrad and RowWiseAdagrad; these rules run every
-``OptimType`` in plain torch, following the formulas of FBGEMM's kernels (each module's docstring
-says which), so that CPU and CUDA training agree. They also serve as references for the FBGEMM
-paths. ``rule_for(spec)`` picks a rule; ``aggregate`` turns per-id gradients into the one summed
-gradient per distinct row that rules take.
-
-Guarantees: see :mod:`embshard_optim.sparse_rules.base`.
+One update function per optimizer, following FBGEMM's kernel formulas, so CPU and CUDA training
+agree; every plain-torch path calls these. ``rule_for(spec)`` wraps one in a checked
+:class:`SparseRule`; ``aggregate`` sums per-id gradients per distinct row.
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
-"""Adagrad and row-wise Adagrad on the touched rows of a table.
-
-``adagrad_update`` follows FBGEMM's ``EXACT_ADAGRAD`` (codegen ``adagrad()``): point-wise state
-``m += g**2``, then ``w -= lr * g / (sqrt(m) + eps)``; no weight decay.
-
-``rowwise_adagrad_update`` follows FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (codegen
-``rowwise_adagrad()``), one state value per row:
-
-- ``L2`` decay: ``g' = g + wd * w``, else ``g' = g``;
-- ``m += mean(g'**2)`` over the row; ``mult = lr / (sqrt(m) + eps)``;
-- ``w = c * w - mult * g`` with ``c = 1 - mult * wd`` (``L2``), ``1 - lr * wd`` (``DECOUPLED``),
-  else ``1``;
-- then, when ``max_norm > 0``, a row whose norm exceeds ``max_norm`` is scaled down to it (the
-  CUDA kernel's post-update; FBGEMM's CPU kernel ignores ``max_norm``).
+"""Adagrad and row-wise Adagrad on the touched rows of a table (FBGEMM's ``EXACT_ADAGRAD`` and
+``EXACT_ROWWISE_ADAGRAD``).
 """
 
 from __future__ import annotations
@@ -42,8 +30,7 @@ def adagrad_update(
     *,
     reduction: RowReduction | None = None,
 ) -> None:
-    """FBGEMM ``EXACT_ADAGRAD`` on ``rows`` (unchecked; see ``SparseRule``; point-wise, so
-    ``reduction`` is not needed)."""
+    """``m += g**2``, ``w -= lr * g / (sqrt(m) + eps)`` point-wise (unchecked; see ``SparseRule``)."""
     dtype = compute_dtype(weight)
     g = grad.to(dtype)
     momentum = state["momentum1"]
@@ -61,8 +48,20 @@ def rowwise_adagrad_update(
     step: int,
     *,
     reduction: RowReduction | None = None,
+    mean_square: Tensor | None = None,
+    consume_grad: bool = False,
 ) -> None:
-    """FBGEMM ``EXACT_ROWWISE_ADAGRAD`` on ``rows`` (unchecked; see ``SparseRule``)."""
+    """Row-wise Adagrad on ``rows`` (unchecked; see ``SparseRule``).
+
+    ``g' = g + wd * w`` under ``L2`` decay; ``m += mean(g'**2)``; ``mult = lr / (sqrt(m) + eps)``;
+    ``w = c * w - mult * g`` with ``c`` ``1 - mult * wd`` (``L2``), ``1 - lr * wd`` (``DECOUPLED``)
+    or 1; then rows longer than ``max_norm > 0`` are scaled down to it (FBGEMM's CUDA post-update).
+
+    Args:
+        mean_square: each row's mean of ``g**2`` over the full row, if the caller has it
+            (ignored under ``L2`` decay, whose statistic is of the decayed gradient).
+        consume_grad: ``grad`` may be overwritten (saves a copy).
+    """
     dtype = compute_dtype(weight)
     g = grad.to(dtype)
     lr, decay = spec.learning_rate, spec.weight_decay
@@ -71,12 +70,15 @@ def rowwise_adagrad_update(
     w = gather(weight, rows, dtype) if needs_weight else None
 
     g_decayed = g + decay * w if w is not None and mode is WeightDecayMode.L2 else g
+    if mean_square is None or g_decayed is not g:
+        mean_square = row_mean_square(g_decayed, reduction)
     momentum = state["momentum1"]
-    add_to_rows(momentum, rows, row_mean_square(g_decayed, reduction).to(momentum.dtype))
+    add_to_rows(momentum, rows, mean_square.to(momentum.dtype))
     multiplier = lr / (gather(momentum, rows, dtype).sqrt_() + spec.eps)
 
     if w is None:
-        add_to_rows(weight, rows, -(multiplier[:, None] * g))
+        step_size = multiplier.neg_().unsqueeze(1)
+        add_to_rows(weight, rows, g.mul_(step_size) if consume_grad else g * step_size)
         return
     if mode is WeightDecayMode.L2:
         new = (1.0 - multiplier * decay)[:, None] * w - multiplier[:, None] * g

@@ -1,17 +1,8 @@
-"""Adam and partial row-wise Adam on the touched rows of a table.
+"""Adam and partial row-wise Adam on the touched rows of a table (FBGEMM's ``ADAM`` and
+``PARTIAL_ROWWISE_ADAM``).
 
-Both follow FBGEMM's kernels (codegen ``adam()`` and ``partial_rowwise_adam()``), with ``t`` the
-1-based step and bias corrections ``bc1 = 1 - beta1**t``, ``bc2 = 1 - beta2**t``:
-
-- ``ADAM``: point-wise ``m1 = beta1 * m1 + (1 - beta1) * g`` and
-  ``m2 = beta2 * m2 + (1 - beta2) * g**2``; ``u = (m1 / bc1) / (sqrt(m2 / bc2) + eps)``.
-- ``PARTIAL_ROWWISE_ADAM``: ``m1`` as above (point-wise), ``m2`` row-wise:
-  ``m2 = beta2 * m2 + (1 - beta2) * mean(g**2)`` over the row; ``u = (m1 / bc1) /
-  (sqrt(m2 / bc2) + eps)``.
-- then ``w -= lr * (u + weight_decay * w)`` (decoupled decay, as AdamW).
-
-Only touched rows are updated (their moments do not decay in steps that skip them), and the bias
-correction uses the global step, as FBGEMM's ``iter`` does.
+Only touched rows are updated (their moments do not decay in steps that skip them); bias
+correction uses the global 1-based step ``t``: ``bc1 = 1 - beta1**t``, ``bc2 = 1 - beta2**t``.
 """
 
 from __future__ import annotations
@@ -43,8 +34,7 @@ def adam_update(
     *,
     reduction: RowReduction | None = None,
 ) -> None:
-    """FBGEMM ``ADAM`` on ``rows`` (unchecked; see ``SparseRule``; point-wise, so
-    ``reduction`` is not needed)."""
+    """``u`` of :func:`adam_direction`, then ``w -= lr * (u + wd * w)`` (unchecked)."""
     g = grad.to(compute_dtype(weight))
     _apply_decoupled(spec, weight, rows, adam_direction(spec, state, rows, g, step))
 
@@ -59,7 +49,7 @@ def partial_rowwise_adam_update(
     *,
     reduction: RowReduction | None = None,
 ) -> None:
-    """FBGEMM ``PARTIAL_ROWWISE_ADAM`` on ``rows`` (unchecked; see ``SparseRule``)."""
+    """As :func:`adam_update` with a row-wise second moment (unchecked)."""
     g = grad.to(compute_dtype(weight))
     update = partial_rowwise_adam_direction(spec, state, rows, g, step, reduction)
     _apply_decoupled(spec, weight, rows, update)
@@ -68,8 +58,8 @@ def partial_rowwise_adam_update(
 def adam_direction(
     spec: OptimizerSpec, state: Mapping[str, Tensor], rows: Tensor, g: Tensor, step: int
 ) -> Tensor:
-    """Advance Adam's point-wise moments of ``rows`` by ``g``; return ``(m1/bc1) /
-    (sqrt(m2/bc2) + eps)`` (shared by Adam and LAMB)."""
+    """``m1 = beta1 * m1 + (1 - beta1) * g``, ``m2`` likewise with ``g**2``; return
+    ``u = (m1 / bc1) / (sqrt(m2 / bc2) + eps)`` (Adam's and LAMB's direction)."""
     m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)
     m2 = ema_rows(state["momentum2"], rows, spec.beta2, g * g)
     denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
@@ -84,9 +74,7 @@ def partial_rowwise_adam_direction(
     step: int,
     reduction: RowReduction | None,
 ) -> Tensor:
-    """As :func:`adam_direction` with a row-wise second moment (mean of ``g**2`` over the full
-    row; ``reduction`` completes it across column shards). Shared by the partial row-wise
-    Adam and LAMB."""
+    """As :func:`adam_direction` with ``m2`` row-wise, of ``mean(g**2)`` over the full row."""
     m2 = ema_rows(state["momentum2"], rows, spec.beta2, row_mean_square(g, reduction))
     denominator = (m2 / bias_correction(spec.beta2, step)).sqrt_().add_(spec.eps)
     m1 = ema_rows(state["momentum1"], rows, spec.beta1, g)

@@ -1,17 +1,10 @@
 """Shared pieces of the sparse update rules: the rule protocol, state creation, checks, row I/O.
 
-A sparse update rule changes only the rows of a table that a batch touched, and only their
-optimizer state, exactly as FBGEMM's fused backward does. Guarantees of every rule built on this
-module: arguments are checked (shapes, dtypes, devices, state names, row bounds, step) before any
-tensor is written, untouched rows and their state are left bit-for-bit as they were, and the
-arithmetic runs in float32 (float64 for float64 tables) with rows read by ``index_select`` and
-written by ``index_copy_`` / ``index_add_`` (never advanced-index assignment, never a Python loop
-over rows).
-
-Tables split by columns (each rank holding some columns of every row) get the row-wise
-statistics of the full row through a :class:`RowReduction`: a rule computes per-row partial
-sums over its own columns and the reduction combines them across the column shards, so every
-shard applies the unsharded row-wise update to its columns.
+A rule changes only the touched rows of a table and their optimizer state, as FBGEMM's fused
+backward does. ``SparseRule.apply`` checks every argument before writing anything; the update
+functions it calls compute in float32 (float64 for float64 tables), read rows with
+``index_select`` and write them with ``index_copy_`` / ``scatter_add_`` / ``index_add_``.
+A :class:`RowReduction` gives a column shard the row-wise statistics of the full rows.
 """
 
 from __future__ import annotations
@@ -57,25 +50,12 @@ class SparseUpdateRule(Protocol):
         check_bounds: bool = True,
         reduction: RowReduction | None = None,
     ) -> None:
-        """Update ``rows`` of ``weight`` and ``state`` in place.
-
-        Args:
-            weight: the ``[num_rows, dim]`` table (or table shard).
-            state: its optimizer state, as made by :meth:`init_state`.
-            rows: distinct int64 row ids (see ``aggregate`` for repeated ids).
-            grad: ``[len(rows), dim]``, the summed gradient of each row.
-            step: 1-based number of this update (Adam / LAMB bias correction).
-            check_bounds: check that every row id is in range (one pass over ``rows``).
-            reduction: completes row-wise statistics of a column shard (see ``RowReduction``).
-        """
+        """Update ``rows`` of ``weight`` and ``state`` in place (see :meth:`SparseRule.apply`)."""
         ...
 
 
 UpdateFn = Callable[[OptimizerSpec, Tensor, Mapping[str, Tensor], Tensor, Tensor, int], None]
-"""``update(spec, weight, state, rows, grad, step)``: the unchecked math of one optimizer.
-
-The built-in update functions also take a keyword ``reduction: RowReduction | None``.
-"""
+"""``update(spec, weight, state, rows, grad, step, *, reduction=None)``: one optimizer's math."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +63,8 @@ class RowReduction:
     """How to complete row-wise statistics when a table's columns are split across shards.
 
     Args:
-        row_sum: takes per-row partial sums over this shard's columns (``[rows]`` or
-            ``[rows, k]`` for ``k`` statistics at once, in the order of the ``rows`` given to
-            the update) and returns the sums over the full rows; every column shard of the
-            table must call it for the same rows and get the same result (e.g. a gather of
-            the shards' partial sums, added in a fixed order).
+        row_sum: per-row partial sums over this shard's columns (``[rows]`` or ``[rows, k]``)
+            -> sums over the full rows; every column shard must get the same result.
         full_dim: the width of the full rows (the divisor of row means).
     """
 
@@ -105,13 +82,8 @@ class RowReduction:
 
 @dataclass(frozen=True)
 class SparseRule:
-    """A :class:`SparseUpdateRule` made of a spec and the update function of its optimizer.
-
-    Args:
-        spec: the optimizer and hyperparameters.
-        update: the unchecked update (one of the ``*_update`` functions of this package);
-            ``apply`` validates its arguments first.
-    """
+    """A :class:`SparseUpdateRule`: a spec and its optimizer's (unchecked) update function,
+    called by ``apply`` after checking the arguments."""
 
     spec: OptimizerSpec
     update: UpdateFn
@@ -141,15 +113,11 @@ class SparseRule:
         """Check the arguments, then update ``rows`` of ``weight`` and ``state`` in place.
 
         Args:
-            weight: the ``[num_rows, dim]`` table (or table shard).
-            state: its optimizer state, as made by :meth:`init_state`.
-            rows: distinct int64 row ids (see ``aggregate`` for repeated ids).
+            rows: distinct row ids (``aggregate`` sums repeated ones).
             grad: ``[len(rows), dim]``, the summed gradient of each row.
             step: 1-based number of this update (Adam / LAMB bias correction).
-            check_bounds: check that every row id is in range (one pass over ``rows``).
-            reduction: for a shard holding some columns of a table, how to complete row-wise
-                statistics over the full rows (``None``: ``weight`` holds full rows). Not
-                called when ``rows`` is empty.
+            check_bounds: check that every row id is in range.
+            reduction: completes row-wise statistics of a column shard (``None``: full rows).
 
         Raises:
             ValueError / TypeError / IndexError: bad arguments, before anything is written.
@@ -282,18 +250,19 @@ def write_rows(tensor: Tensor, rows: Tensor, values: Tensor) -> None:
 
 
 def add_to_rows(tensor: Tensor, rows: Tensor, delta: Tensor) -> None:
-    """``tensor[rows] += delta``: ``index_add_`` when dtypes agree, else read, add and write."""
-    if tensor.dtype == delta.dtype:
+    """``tensor[rows] += delta`` in place (rounding to ``tensor``'s dtype)."""
+    if tensor.dtype == delta.dtype and delta.dim() == 2:
+        # scatter_add_ with the row index broadcast over the columns beats index_add_ here
+        tensor.scatter_add_(0, rows.unsqueeze(1).expand_as(delta), delta)
+    elif tensor.dtype == delta.dtype:
         tensor.index_add_(0, rows, delta)
     else:
         write_rows(tensor, rows, gather(tensor, rows, delta.dtype) + delta)
 
 
 def ema_rows(tensor: Tensor, rows: Tensor, beta: float, value: Tensor) -> Tensor:
-    """Set ``tensor[rows] = beta * tensor[rows] + (1 - beta) * value``; return the new rows.
-
-    The returned rows keep ``value``'s dtype (the compute dtype), whatever ``tensor`` stores.
-    """
+    """``tensor[rows] = beta * tensor[rows] + (1 - beta) * value``; the new rows in ``value``'s
+    dtype."""
     new = gather(tensor, rows, value.dtype).mul_(beta).add_(value, alpha=1.0 - beta)
     write_rows(tensor, rows, new)
     return new

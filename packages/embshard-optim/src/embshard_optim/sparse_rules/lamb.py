@@ -1,16 +1,8 @@
-"""LAMB and partial row-wise LAMB on the touched rows of a table.
+"""LAMB and partial row-wise LAMB on the touched rows of a table (FBGEMM's ``LAMB`` and
+``PARTIAL_ROWWISE_LAMB``).
 
-Both follow FBGEMM's kernels (codegen ``lamb()`` and ``partial_rowwise_lamb()``), with ``t`` the
-1-based step, ``bc1 = 1 - beta1**t`` and ``bc2 = 1 - beta2**t``:
-
-- ``LAMB``: point-wise ``m1 = beta1 * m1 + (1 - beta1) * g``,
-  ``m2 = beta2 * m2 + (1 - beta2) * g**2``; ``r = (m1 / bc1) / (sqrt(m2 / bc2) + eps) + wd * w``.
-- ``PARTIAL_ROWWISE_LAMB``: ``m1`` as above, ``m2`` row-wise with ``mean(g**2)`` over the row;
-  ``r = (m1 / bc1) / (sqrt(m2 / bc2) + eps) + wd * w``.
-- then, per row, the trust ratio ``||w|| / ||r||`` and ``w -= lr * ratio * r``.
-
-A row whose ``r`` is zero gets ratio 0 (FBGEMM would divide by zero); a zero row (``||w|| = 0``)
-gets ratio 0 and stays zero, as in FBGEMM.
+The update direction is Adam's (:mod:`~embshard_optim.sparse_rules.adam`) plus ``wd * w``,
+scaled per row by the trust ratio ``||w|| / ||r||`` (0 where ``r`` or ``w`` is zero).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""LARS-SGD on the touched rows of a table.
+"""LARS-SGD on the touched rows of a table (FBGEMM's ``LARS_SGD``).
 
-Follows FBGEMM's ``LARS_SGD`` (codegen ``lars_sgd()``), per touched row:
-``lr' = lr * eta * ||w|| / (||g|| + wd * ||w||)``, point-wise momentum
-``m1 = momentum * m1 + lr' * (g + wd * w)``, then ``w -= m1``. A row whose denominator is zero
-gets ``lr' = 0`` (FBGEMM would divide by zero).
+Per row ``lr' = lr * eta * ||w|| / (||g|| + wd * ||w||)`` (0 where that divides by zero),
+``m1 = momentum * m1 + lr' * (g + wd * w)``, then ``w -= m1``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Exact SGD on the touched rows of a table.
-
-Follows FBGEMM's ``EXACT_SGD`` (codegen ``sgd()``): ``w -= lr * g`` for each touched row; no
-weight decay, no state.
-"""
+"""Exact SGD on the touched rows of a table: FBGEMM's ``EXACT_SGD``, ``w -= lr * g``, no state."""
 
 from __future__ import annotations
 
@@ -23,7 +19,14 @@ def sgd_update(
     step: int,
     *,
     reduction: RowReduction | None = None,
+    consume_grad: bool = False,
 ) -> None:
-    """FBGEMM ``EXACT_SGD`` on ``rows``: ``w[r] -= lr * g[r]`` (unchecked; see ``SparseRule``)."""
+    """``w[rows] -= lr * grad`` (unchecked; see ``SparseRule``).
+
+    Args:
+        consume_grad: ``grad`` may be overwritten (saves a copy).
+    """
     g = grad.to(compute_dtype(weight))
-    add_to_rows(weight, rows, g * -spec.learning_rate)
+    add_to_rows(
+        weight, rows, g.mul_(-spec.learning_rate) if consume_grad else g * -spec.learning_rate
+    )
