@@ -20,7 +20,7 @@ from embshard_optim.specs import OptimizerSpec
 from embshard_types.comm_codec import QuantizedCommCodecs
 from embshard_types.configs import BaseEmbeddingConfig
 from embshard_types.env import ShardingEnv
-from embshard_types.interfaces import ModuleSharder
+from embshard_types.interfaces import ModuleSharder, ShardedModule
 from embshard_types.plan import EmbeddingModuleShardingPlan
 from embshard_types.vocab import ComputeKernel, ShardingType
 
@@ -67,7 +67,7 @@ class CollectionKind:
     module_type: type[nn.Module]
     weights_attr: str
     strategies: Mapping[ShardingType, type]
-    sharded_type: Callable[..., nn.Module]
+    sharded_type: Callable[..., Any]
     configs: Callable[[Any], Sequence[BaseEmbeddingConfig]]
     node_aware: bool = False
 
@@ -136,7 +136,7 @@ class CollectionSharder(ModuleSharder[M]):
         device: torch.device | None = None,
         module_fqn: str | None = None,
         path: str = "",
-    ) -> nn.Module:
+    ) -> ShardedModule[Any, Any, Any, Any]:
         """Check the module's plan, then build its sharded form.
 
         Raises:
@@ -156,7 +156,7 @@ class CollectionSharder(ModuleSharder[M]):
         env: ShardingEnv,
         device: torch.device | None = None,
         path: str = "",
-    ) -> nn.Module:
+    ) -> ShardedModule[Any, Any, Any, Any]:
         """Build the sharded collection for a plan already checked by :meth:`check_plan`."""
         self._check_type(module, path)
         node = {"local_world_size": self._local_world_size} if self.kind.node_aware else {}

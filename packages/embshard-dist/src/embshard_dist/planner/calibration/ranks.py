@@ -119,7 +119,7 @@ def _model_and_input(
     model = sharder.shard(
         EmbeddingBagCollection(case.configs(), device="meta", optimizer=spec),
         case.plan(kind, world)[MODULE],
-        ShardingEnv.from_process_group(dist.group.WORLD),
+        ShardingEnv.from_process_group(dist.distributed_c10d._get_default_group()),
         torch.device("cpu"),
         path=MODULE,
     )
