@@ -226,3 +226,17 @@ def test_state_dict_flushes_and_load_purges_the_kernel_caches(
     assert calls == ["flush", "flush"]
     ebc.load_state_dict(state)
     assert calls[2:] == ["purge", "purge"]
+
+
+@pytest.mark.parametrize("kind", ["bag", "sequence"])
+def test_collections_refuse_a_dict_with_a_type_error(kind: str) -> None:
+    if kind == "bag":
+        module: torch.nn.Module = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=8, feature_names=("f",))]
+        )
+    else:
+        module = EmbeddingCollection(
+            [EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=8, feature_names=("f",))]
+        )
+    with pytest.raises(TypeError, match="takes a KeyedJaggedTensor, got dict"):
+        module({"f": torch.tensor([1, 2])})

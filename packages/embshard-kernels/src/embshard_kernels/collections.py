@@ -258,6 +258,7 @@ class EmbeddingBagCollection(_KernelCollection):
             ValueError / TypeError / IndexError: a missing feature, float ids, an id out of
                 range, missing weights, or batch sizes that vary per feature (named).
         """
+        _check_input(features, "EmbeddingBagCollection")
         kernels = self._live_kernels()
         if features.variable_stride_per_key():
             raise ValueError(
@@ -315,6 +316,7 @@ class EmbeddingCollection(_KernelCollection):
             ValueError / TypeError / IndexError: a missing feature, float ids or an id out of
                 range (named).
         """
+        _check_input(features, "EmbeddingCollection")
         kernels = self._live_kernels()
         out: dict[str, JaggedTensor] = {}
         for kernel, part in zip(kernels, self._grouped.route(features), strict=True):
@@ -329,3 +331,11 @@ class EmbeddingCollection(_KernelCollection):
                     rows[offsets[i] : offsets[i + 1]], lengths=lengths[bounds[i] : bounds[i + 1]]
                 )
         return {f: out[f] for f in self._keys}
+
+
+def _check_input(features: object, module: str) -> None:
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(
+            f"{module} takes a KeyedJaggedTensor, got {type(features).__name__}; build one "
+            "with KeyedJaggedTensor.from_lengths_sync(keys=..., values=..., lengths=...)"
+        )

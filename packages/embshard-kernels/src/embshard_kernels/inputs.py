@@ -1,7 +1,10 @@
 """From a KeyedJaggedTensor to a TBE's arguments, with the input checked first.
 
 :func:`check_features` raises before any kernel runs (so before any weight or state changes) on a
-missing feature, bad dtypes or an id out of range, naming the feature, its table and the value.
+missing feature, bad dtypes, a broken layout (negative lengths, offsets not from 0 or decreasing,
+lengths that do not add up to the values), a non-finite weight or an id out of range, naming the
+feature, its table and the value: no input that could make a kernel read or write out of bounds
+reaches one, whatever constructor built it.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ import torch
 from torch import Tensor
 
 from embshard_kernels.grouping import GroupedEmbeddingConfig
+from embshard_types.sparse.input_problems import IdOutOfRangeError
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.kjt_checks import KJTChecker
 
-
-class IdOutOfRangeError(IndexError, ValueError):
-    """An id is negative or not below the row count of its table (shard)."""
+__all__ = ["FeatureLayout", "IdOutOfRangeError", "TBEInput", "check_features", "to_tbe_input"]
 
 
 class TBEInput(NamedTuple):
@@ -44,84 +47,31 @@ class FeatureLayout:
         tables = config.embedding_tables
         self.feature_tables: list[str] = [tables[t].name for t in config.feature_table_map()]
         self.feature_rows: list[int] = [tables[t].rows for t in config.feature_table_map()]
-        self.min_rows: int = min(self.feature_rows)
         self.is_weighted: bool = config.is_weighted
-
-    def describe(self, f: int) -> str:
-        return f"feature {self.feature_names[f]!r} (table {self.feature_tables[f]!r})"
+        self.tables: dict[str, str] = dict(
+            zip(self.feature_names, self.feature_tables, strict=True)
+        )
+        self.checker = KJTChecker(self.feature_names, self.feature_rows, weighted=self.is_weighted)
 
 
 def check_features(features: KeyedJaggedTensor, layout: FeatureLayout) -> None:
     """Raise unless ``features`` is a valid input for the group described by ``layout``.
 
     Raises:
-        ValueError: a feature is missing, extra or out of order; weights are missing.
+        ValueError: a feature is missing, extra or out of order; weights are missing or not
+            finite; the lengths or offsets do not describe the values.
         TypeError: ids are not integers or weights are not floating point.
         IdOutOfRangeError: an id is negative or too large (an ``IndexError`` and ``ValueError``).
     """
     keys = features.keys()
-    if keys != layout.feature_names:
-        missing = [f for f in layout.feature_names if f not in keys]
-        if missing:
-            f = layout.feature_names.index(missing[0])
-            raise ValueError(
-                f"{layout.describe(f)} is missing from the input; the input has features {keys}"
-            )
+    if keys != layout.feature_names and all(f in keys for f in layout.feature_names):
         raise ValueError(
             f"the kernel for features {layout.feature_names} got features {keys}; "
             "select and order them with KeyedJaggedTensor.permute"
         )
-    values = features.values()
-    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-        raise TypeError(
-            f"ids of features {keys} (tables {sorted(set(layout.feature_tables))}) have dtype "
-            f"{values.dtype}; ids must be an integer tensor (int64 or int32)"
-        )
-    if layout.is_weighted:
-        weights = features.weights_or_none()
-        if weights is None:
-            raise ValueError(
-                f"tables {sorted(set(layout.feature_tables))} are weighted but the input for "
-                f"features {keys} has no weights; pass weights= to the KeyedJaggedTensor"
-            )
-        if not weights.is_floating_point():
-            raise TypeError(
-                f"weights of features {keys} have dtype {weights.dtype}; they must be floating point"
-            )
-    check_ids(features, layout)
-
-
-def check_ids(features: KeyedJaggedTensor, layout: FeatureLayout) -> None:
-    """Raise :class:`IdOutOfRangeError` unless every id is in ``[0, rows of its table)``."""
-    values = features.values()
-    if values.numel() == 0:
-        return
-    low, high = torch.stack(torch.aminmax(values)).tolist()
-    if low >= 0 and high < layout.min_rows:
-        return
-    offsets = features.offset_per_key()
-    for f, rows in enumerate(layout.feature_rows):
-        segment = values[offsets[f] : offsets[f + 1]]
-        if segment.numel() == 0:
-            continue
-        low, high = torch.stack(torch.aminmax(segment)).tolist()
-        if low < 0 or high >= rows:
-            _raise_bad_id(features, layout, f, segment, rows)
-
-
-def _raise_bad_id(
-    features: KeyedJaggedTensor, layout: FeatureLayout, f: int, segment: Tensor, rows: int
-) -> None:
-    bad = ((segment < 0) | (segment >= rows)).nonzero()[0, 0]
-    value = int(segment[bad])
-    bounds = features.lengths_offset_per_key()
-    lengths = features.lengths()[bounds[f] : bounds[f + 1]]
-    sample = int(torch.searchsorted(lengths.cumsum(0), bad, right=True))
-    problem = "is negative" if value < 0 else f"is not below the table's {rows} rows"
-    raise IdOutOfRangeError(
-        f"{layout.describe(f)}: id {value} (sample {sample}, position {int(bad)} of the "
-        f"feature's ids) {problem}; ids must be in [0, {rows})"
-    )
+    problem = layout.checker.check(features)
+    if problem is not None:
+        raise problem.error(layout.feature_names, layout.tables)
 
 
 def to_tbe_input(features: KeyedJaggedTensor, *, weighted: bool) -> TBEInput:

@@ -4,6 +4,10 @@ Every rank passes the same keys, grouped by destination (``splits[r]`` keys for 
 phases, as in TorchRec: a small header per peer (sizes, dtypes, a checksum of keys and splits),
 then lengths, ids and weights, bit for bit, each key's batch the sources' in ``source_order``.
 Ranks that disagree all raise the same ``ValueError`` after phase 1; waits are bounded.
+
+The header also carries each source's input status (:class:`InputStatus`): when a source
+refused its input, every rank raises the same error after phase 1, naming that source, and phase
+2 never starts (a refusing source still sends its header, so nobody waits for it).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,8 +29,28 @@ from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 NAME = "kjt_all_to_all"
 
 # Header fields sent to each peer, followed by that peer's keys' batch sizes and id counts.
-_CRC, _WEIGHTED, _LEN_DTYPE, _VAL_DTYPE, _W_DTYPE, _VBE, _STRIDE = range(7)
-_FIXED = 7
+_CRC, _WEIGHTED, _LEN_DTYPE, _VAL_DTYPE, _W_DTYPE, _VBE, _STRIDE, _STATUS = range(8)
+STATUS_WORDS = 6
+"""Integers of an input status (``0`` first: no problem)."""
+_FIXED = _STATUS + STATUS_WORDS
+
+
+@dataclass(frozen=True)
+class InputStatus:
+    """This rank's verdict on its input, sent in the header to every peer.
+
+    Attributes:
+        words: ``STATUS_WORDS`` integers; ``words[0] == 0`` means the input is good.
+        error: builds the exception for ``(source rank, its words)``; it must give the same
+            exception on every rank, so that all ranks raise alike.
+    """
+
+    words: tuple[int, ...]
+    error: Callable[[int, list[int]], Exception]
+
+    def __post_init__(self) -> None:
+        if len(self.words) != STATUS_WORDS:
+            raise ValueError(f"{NAME}: a status is {STATUS_WORDS} integers, got {self.words}")
 
 
 def source_order(world_size: int, stagger: int = 1) -> list[int]:
@@ -179,8 +204,10 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         group: dist.ProcessGroup | None,
         order: list[int],
         timeout: Timeout,
+        status: InputStatus | None = None,
     ) -> None:
         super().__init__()
+        self._status = status
         self._pending = pending
         self._header = header
         self._input = input
@@ -202,6 +229,8 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         a, b = self._ranges[self._rank]
         num_keys = b - a
         rows = self._header.reshape(world, _FIXED + 2 * num_keys).tolist()
+        if self._status is not None:
+            _check_status(rows, self._status)
         _check_agreement(rows)
         strides = [row[_FIXED : _FIXED + num_keys] for row in rows]
         counts = [row[_FIXED + num_keys :] for row in rows]
@@ -277,6 +306,14 @@ def _all_to_all(
     return start
 
 
+def _check_status(rows: list[list[int]], status: InputStatus) -> None:
+    """Raise the first (lowest-rank) refusing source's error, the same on every rank."""
+    for source, row in enumerate(rows):
+        words = row[_STATUS:_FIXED]
+        if words[0]:
+            raise status.error(source, words)
+
+
 def _check_agreement(rows: list[list[int]]) -> None:
     """Raise the same ValueError on every rank when the sources' headers disagree."""
 
@@ -344,8 +381,14 @@ class KJTAllToAll(nn.Module):
         """Number of keys sent to each rank."""
         return list(self._splits)
 
-    def forward(self, input: KeyedJaggedTensor) -> KJTAllToAllSplitsAwaitable:
+    def forward(
+        self, input: KeyedJaggedTensor, status: InputStatus | None = None
+    ) -> KJTAllToAllSplitsAwaitable:
         """Start phase 1 for ``input``, this rank's KJT with keys grouped as ``splits`` says.
+
+        Args:
+            status: this rank's input status, checked against every source's before phase 2
+                (a refusing rank passes any KJT with the right keys: only its header is sent).
 
         Raises:
             ValueError: the KJT does not have ``sum(splits)`` keys.
@@ -365,6 +408,8 @@ class KJTAllToAll(nn.Module):
         fixed[_W_DTYPE] = dtype_code(None if weights is None else weights.dtype)
         fixed[_VBE] = int(input.variable_stride_per_key())
         fixed[_STRIDE] = input.stride()
+        if status is not None:
+            fixed[_STATUS:_FIXED] = list(status.words)
         stride_per_key = input.stride_per_key()
         length_per_key = input.length_per_key()
         send: list[int] = []
@@ -391,4 +436,5 @@ class KJTAllToAll(nn.Module):
             group=self._pg,
             order=self._order,
             timeout=self._timeout,
+            status=status,
         )

@@ -25,6 +25,7 @@ from embshard_dist.sharded.common import (
     state_format,
 )
 from embshard_dist.sharded.context import FeaturesAwaitable
+from embshard_dist.sharded.input_checks import InputGate
 from embshard_dist.sharded.sharder import CollectionKind, CollectionSharder
 from embshard_dist.strategies.cw import CwSequenceSharding
 from embshard_dist.strategies.dp import DpSequenceSharding
@@ -119,6 +120,8 @@ class ShardedEmbeddingCollection(
     Args:
         module: the unsharded collection (on ``meta``, weights are drawn deterministically).
         optimizer: the fused optimizer; default: that of ``fused_params``, else the module's.
+        check_inputs: check every input batch, with one verdict for all ranks (default: on,
+            unless ``EMBSHARD_SKIP_INPUT_CHECKS=1``); see ``sharded.input_checks``.
 
     Raises:
         ValueError / TypeError: the plan does not fit the module, world or device (on every
@@ -136,6 +139,7 @@ class ShardedEmbeddingCollection(
         fused_params: FusedParams | None = None,
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
         path: str = "",
+        check_inputs: bool | None = None,
     ) -> None:
         super().__init__(qcomm_codecs_registry)
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -173,6 +177,13 @@ class ShardedEmbeddingCollection(
             {c.name: TableWeight(local[c.name][0]) for c in configs if c.name in local}
         )
         self._keys = [f for c in configs for f in c.feature_names]
+        self._gate = InputGate(
+            self._keys,
+            [c.num_embeddings for c in configs for _ in c.feature_names],
+            {f: c.name for c in configs for f in c.feature_names},
+            weighted=False,
+            check_inputs=check_inputs,
+        )
         self._fused_optim = combine_optimizers(
             [o for lookup in self._lookups for o in lookup.fused_optimizers()], _ATTR
         )
@@ -187,22 +198,20 @@ class ShardedEmbeddingCollection(
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
         """Start routing every strategy's features (in strategy order, on every rank).
 
-        Raises:
-            TypeError: the input is not a KeyedJaggedTensor.
-            ValueError: a feature is missing, before any collective.
+        The input is checked here; a bad one on any rank makes every rank's wait raise the same
+        ``InvalidInputError`` (see ``sharded.input_checks``) before any lookup.
         """
-        (features,) = input
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(
-                f"ShardedEmbeddingCollection takes a KeyedJaggedTensor, got "
-                f"{type(features).__name__}"
-            )
+        (given,) = input
+        features, status = self._gate.check(given, "ShardedEmbeddingCollection")
         ctx.features = features
-        return FeaturesAwaitable(
-            [
-                dist(features, sctx)
-                for dist, sctx in zip(self._input_dists, ctx.sharding_contexts, strict=True)
-            ]
+        for sctx in ctx.sharding_contexts:
+            sctx.input_status = status
+        started = [
+            dist(features, sctx)
+            for dist, sctx in zip(self._input_dists, ctx.sharding_contexts, strict=True)
+        ]
+        return self._gate.agreed(
+            FeaturesAwaitable(started), started, self._input_dists, status, self._pg
         )
 
     def compute(

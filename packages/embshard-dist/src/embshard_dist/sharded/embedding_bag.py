@@ -29,6 +29,7 @@ from embshard_dist.sharded.context import (
     FeaturesAwaitable,
     KeyedTensorAwaitable,
 )
+from embshard_dist.sharded.input_checks import InputGate
 from embshard_dist.sharded.node_plan_checks import NODE_AWARE
 from embshard_dist.sharded.sharder import CollectionKind, CollectionSharder
 from embshard_dist.strategies.base import EmbeddingBagSharding, ShardingStepContext
@@ -86,6 +87,8 @@ class ShardedEmbeddingBagCollection(
         optimizer: the fused optimizer; default: that of ``fused_params``, else the module's.
         local_world_size: ranks per node for the node-aware strategies (default: a 2-D env's
             ``node_group_size``, else ``LOCAL_WORLD_SIZE``, else one node).
+        check_inputs: check every input batch, with one verdict for all ranks (default: on,
+            unless ``EMBSHARD_SKIP_INPUT_CHECKS=1``); see ``sharded.input_checks``.
 
     Raises:
         ValueError / TypeError: the plan does not fit the module, world or device (on every
@@ -104,6 +107,7 @@ class ShardedEmbeddingBagCollection(
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
         path: str = "",
         local_world_size: int | None = None,
+        check_inputs: bool | None = None,
     ) -> None:
         super().__init__(qcomm_codecs_registry)
         lws = env_local_world_size(env, local_world_size)
@@ -146,6 +150,7 @@ class ShardedEmbeddingBagCollection(
             {c.name: TableWeight(local[c.name][0]) for c in configs if c.name in local}
         )
         self._keys = [f for c in configs for f in c.feature_names]
+        self._gate = _input_gate(configs, self._is_weighted, check_inputs)
         dims = {f: c.embedding_dim for c in configs for f in c.feature_names}
         self._dims = [dims[f] for f in self._keys]
         self._columns = _column_index(self._shardings, self._keys, dims)
@@ -162,22 +167,25 @@ class ShardedEmbeddingBagCollection(
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, *input: Any, **kwargs: Any
     ) -> Awaitable[Awaitable[list[KeyedJaggedTensor]]]:
-        """Start routing every strategy's features (in strategy order, on every rank)."""
-        (features,) = input
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(
-                f"ShardedEmbeddingBagCollection takes a KeyedJaggedTensor, got "
-                f"{type(features).__name__}"
-            )
+        """Start routing every strategy's features (in strategy order, on every rank).
+
+        The input is checked here; a bad one on any rank makes every rank's wait raise the same
+        ``InvalidInputError`` (see ``sharded.input_checks``) before any lookup.
+        """
+        (given,) = input
+        features, status = self._gate.check(given, "ShardedEmbeddingBagCollection")
         if features.variable_stride_per_key():
             check_variable_batch(features, self._keys, self._shardings)
-            for sctx in ctx.sharding_contexts:
+        for sctx in ctx.sharding_contexts:
+            sctx.input_status = status
+            if features.variable_stride_per_key():
                 sctx.input_features = features
-        return FeaturesAwaitable(
-            [
-                dist(features, sctx)
-                for dist, sctx in zip(self._input_dists, ctx.sharding_contexts, strict=True)
-            ]
+        started = [
+            dist(features, sctx)
+            for dist, sctx in zip(self._input_dists, ctx.sharding_contexts, strict=True)
+        ]
+        return self._gate.agreed(
+            FeaturesAwaitable(started), started, self._input_dists, status, self._pg
         )
 
     def compute(
@@ -249,6 +257,19 @@ def _column_index(
             at += dim
     widths = [sum(sharding.embedding_dims()) for sharding in shardings]
     return ColumnAssembly(widths, [start[f] + j for f in keys for j in range(dims[f])])
+
+
+def _input_gate(
+    configs: list[EmbeddingBagConfig], weighted: bool, check_inputs: bool | None
+) -> InputGate:
+    features = [f for c in configs for f in c.feature_names]
+    return InputGate(
+        features,
+        [c.num_embeddings for c in configs for _ in c.feature_names],
+        {f: c.name for c in configs for f in c.feature_names},
+        weighted=weighted,
+        check_inputs=check_inputs,
+    )
 
 
 class EmbeddingBagCollectionSharder(CollectionSharder[EmbeddingBagCollection]):

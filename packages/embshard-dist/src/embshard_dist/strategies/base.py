@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from embshard_dist.comm.kjt_all_to_all import InputStatus
 from embshard_dist.strategies.lookup import GroupedBagLookup
 from embshard_dist.strategies.options import ShardingOptions
 from embshard_kernels.fbgemm_mapping import resolve_kernel
@@ -50,6 +51,8 @@ class ShardingStepContext:
         sent_features: the KJT sent to the all-to-all (sequence output dists read its splits).
         unbucketize_permute: row-wise: position of each selected id in the bucketized ids.
         batch_size_per_feature_per_rank: variable batch: per lookup feature, its batch per rank.
+        input_status: this rank's verdict on the collection's input, sent with the first
+            exchange of every KJT all-to-all (see ``comm.kjt_all_to_all.InputStatus``).
     """
 
     batch_size_per_rank: list[int] | None = None
@@ -58,6 +61,7 @@ class ShardingStepContext:
     unbucketize_permute: Tensor | None = None
     batch_size_per_feature_per_rank: list[list[int]] | None = None
     input_features: KeyedJaggedTensor | None = None
+    input_status: InputStatus | None = None
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark the held tensors as used on ``stream``."""

@@ -25,7 +25,12 @@ from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
 
 class RoutedInputDist(nn.Module):
-    """Sends each rank the features of the shards it holds, in its lookup's order."""
+    """Sends each rank the features of the shards it holds, in its lookup's order.
+
+    The all-to-all's first exchange carries ``ctx.input_status`` (see ``carries_input_status``).
+    """
+
+    carries_input_status = True
 
     def __init__(
         self,
@@ -51,7 +56,7 @@ class RoutedInputDist(nn.Module):
         """
         selected = self._select(features)
         ctx.sent_features = to_wire(selected)
-        started = self._all_to_all(ctx.sent_features)
+        started = self._all_to_all(ctx.sent_features, ctx.input_status)
         return ReceivedFeatures(
             started,
             ctx,

@@ -41,7 +41,11 @@ class RwInputDist(nn.Module):
     Args:
         keep_lengths: record the bag sizes in the context (for MEAN pooling).
         keep_permute: record the unbucketize permutation (sequence lookups need it).
+
+    The all-to-all's first exchange carries ``ctx.input_status`` (see ``carries_input_status``).
     """
+
+    carries_input_status = True
 
     def __init__(
         self,
@@ -79,7 +83,7 @@ class RwInputDist(nn.Module):
             selected, self._boundaries, with_permute=self._keep_permute
         )
         ctx.sent_features = to_wire(bucketized)
-        started = self._all_to_all(ctx.sent_features)
+        started = self._all_to_all(ctx.sent_features, ctx.input_status)
         return ReceivedFeatures(
             started, ctx, selected.stride(), self._world, variable_batch=variable
         )

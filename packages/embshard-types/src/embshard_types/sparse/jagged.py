@@ -140,14 +140,24 @@ class JaggedTensor:
     # ---- conversions ---------------------------------------------------------------------
 
     def to_dense(self) -> list[Tensor]:
-        """One tensor per sample (views of values)."""
-        return list(torch.split(self._values, self.lengths().tolist(), dim=0))
+        """One tensor per sample (views of values).
+
+        Raises:
+            ValueError: the lengths are negative or do not add up to the values (``validate``).
+        """
+        return self._split(self._values)
 
     def to_dense_weights(self) -> list[Tensor] | None:
         """One weights tensor per sample, or None if unweighted."""
         if self._weights is None:
             return None
-        return list(torch.split(self._weights, self.lengths().tolist(), dim=0))
+        return self._split(self._weights)
+
+    def _split(self, data: Tensor) -> list[Tensor]:
+        sizes = self.lengths().tolist()
+        if sum(sizes) != data.shape[0] or any(n < 0 for n in sizes):
+            self.validate()  # names the sample and says how far off the lengths are
+        return list(torch.split(data, sizes, dim=0))
 
     def to_padded_dense(
         self, desired_length: int | None = None, padding_value: float = 0.0
