@@ -57,7 +57,8 @@ def test_fp16_relative_error(numel: int, magnitude: float, seed: int) -> None:
     x = _data(numel, magnitude, seed)
     err = (_roundtrip(CastCommCodec(torch.float16), x) - x).abs()
     assert torch.all(err <= 2.0**-11 * x.abs() + 2.0**-25)  # half an ulp; subnormals: 2^-25
-    assert torch.all(err <= 1e-3 * x.abs().max())
+    # relative to the largest value, except where every value lies in fp16's subnormal range
+    assert torch.all(err <= 1e-3 * x.abs().max() + 2.0**-25)
 
 
 @settings(max_examples=50, deadline=None)

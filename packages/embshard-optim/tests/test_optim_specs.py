@@ -151,3 +151,11 @@ def test_state_names_and_rowwise_flags(kind: OptimType, states: dict[str, bool])
     assert {name: spec.state_is_rowwise(name) for name in spec.state_names()} == states
     with pytest.raises(ValueError, match="has no optimizer state 'momentum3'"):
         spec.state_is_rowwise("momentum3")
+
+
+@pytest.mark.parametrize("field", ["eta", "max_norm", "momentum", "learning_rate"])
+def test_a_non_number_names_the_field_and_the_optimizer(field: str) -> None:
+    with pytest.raises(TypeError, match=rf"OptimizerSpec\(LARS_SGD\): {field} must be a number, got 'fast'"):  # fmt: skip
+        OptimizerSpec.from_name("lars_sgd", **{field: "fast"})
+    with pytest.raises(TypeError, match="stochastic_rounding must be True or False, got 'no'"):
+        OptimizerSpec("sgd", stochastic_rounding="no")  # type: ignore[arg-type]

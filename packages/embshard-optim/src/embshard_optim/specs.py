@@ -98,6 +98,17 @@ _SPEC_FIELDS = (
     "max_norm",
     "stochastic_rounding",
 )
+# The float fields; each must be given as a number (an int or a float, not a bool or a string).
+_NUMBER_FIELDS = (
+    "learning_rate",
+    "eps",
+    "beta1",
+    "beta2",
+    "weight_decay",
+    "momentum",
+    "eta",
+    "max_norm",
+)
 # torch.optim arguments that only choose an implementation; they do not change the math.
 _IMPLEMENTATION_KNOBS = frozenset({"foreach", "capturable", "differentiable", "fused"})
 
@@ -136,13 +147,11 @@ class OptimizerSpec:
         kind = OptimType.parse(self.optim_type, what="OptimizerSpec.optim_type")
         object.__setattr__(self, "optim_type", kind)
         where = f"OptimizerSpec({kind.name})"
-        for name in ("learning_rate", "eps", "beta1", "beta2", "weight_decay", "momentum"):
+        for name in _NUMBER_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{where}: {name} must be a number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        for name in ("eta", "max_norm"):
-            object.__setattr__(self, name, float(getattr(self, name)))
         _check_range(where, "learning_rate", self.learning_rate, low=0.0)
         _check_range(where, "eps", self.eps, low=0.0)
         _check_range(where, "weight_decay", self.weight_decay, low=0.0)
@@ -150,6 +159,11 @@ class OptimizerSpec:
         _check_range(where, "eta", self.eta, low=0.0)
         for name in ("beta1", "beta2", "momentum"):
             _check_range(where, name, getattr(self, name), low=0.0, below=1.0)
+        if not isinstance(self.stochastic_rounding, bool | int):
+            raise TypeError(
+                f"{where}: stochastic_rounding must be True or False, got "
+                f"{self.stochastic_rounding!r}"
+            )
         object.__setattr__(self, "stochastic_rounding", bool(self.stochastic_rounding))
 
         mode = WeightDecayMode.parse(self.weight_decay_mode, what=f"{where}.weight_decay_mode")

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from embshard_dist.cli.options import non_negative_int, positive_int
+
 _OPTIMIZERS = (
     "rowwise_adagrad",
     "adagrad",
@@ -69,28 +71,18 @@ class TrainConfig:
         return self.log_every or max(1, self.steps // 10)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``embshard train``."""
     p = argparse.ArgumentParser(
         prog="embshard train",
         description="Train a small DLRM on synthetic clicks, sharded across local processes.",
     )
-    p.add_argument("--nproc", type=_positive, default=2, help="processes to start (default 2)")
-    p.add_argument("--tables", type=_positive, default=4, help="embedding tables (default 4)")
-    p.add_argument("--rows", type=_positive, default=10_000, help="rows per table")
-    p.add_argument("--dim", type=_positive, default=16, help="embedding dimension (default 16)")
-    p.add_argument("--batch-size", type=_positive, default=256, help="samples per rank per step")
-    p.add_argument("--steps", type=_positive, default=100, help="training steps (default 100)")
+    p.add_argument("--nproc", type=positive_int, default=2, help="processes to start (default 2)")
+    p.add_argument("--tables", type=positive_int, default=4, help="embedding tables (default 4)")
+    p.add_argument("--rows", type=positive_int, default=10_000, help="rows per table")
+    p.add_argument("--dim", type=positive_int, default=16, help="embedding dimension (default 16)")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="samples per rank per step")
+    p.add_argument("--steps", type=positive_int, default=100, help="training steps (default 100)")
     p.add_argument(
         "--sharding",
         default=None,
@@ -118,12 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
         "dense layers use the torch optimizer of the same kind",
     )
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and data (default 0)")
-    p.add_argument("--log-every", type=_positive, default=None, help="steps per progress line")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the model and data (default 0)"
+    )
+    p.add_argument("--log-every", type=positive_int, default=None, help="steps per progress line")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary here")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints into this directory")
-    p.add_argument("--save-every", type=_positive, default=None, help="steps between checkpoints")
+    p.add_argument(
+        "--save-every", type=positive_int, default=None, help="steps between checkpoints"
+    )
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (or its latest)")
     return p
@@ -178,6 +174,10 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
                 Topology.load(args.topology)
             except OSError as e:
                 raise ValueError(f"--topology: cannot read {args.topology!r}: {e}") from None
+        if args.resume is not None and not Path(args.resume).exists():
+            raise ValueError(f"--resume: {args.resume!r} does not exist; give a checkpoint folder")
+        if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
+            raise ValueError(f"--checkpoint-dir: {args.checkpoint_dir!r} is a file, not a folder")
     except ValueError as e:
         parser.error(str(e))
     return TrainConfig(
@@ -207,15 +207,70 @@ def run(argv: Sequence[str]) -> int:
     """Entry point of ``embshard train``."""
     config = parse_config(argv)
     from embshard_dist.cli.launch import default_backend, launch, launched_by_torchrun
+    from embshard_dist.strategies.nodes import resolve_local_world_size
 
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        local = resolve_local_world_size(world)
+    else:
+        world = local = config.nproc
     if config.device == "cuda":
         backend = "nccl"
     elif config.device == "cpu":
         backend = "gloo"
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", config.nproc))
-        backend = default_backend(local if launched_by_torchrun() else config.nproc)
+        backend = default_backend(local)
+    refusal = refused_request(config, world, local)
+    if refusal is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"embshard train: error: {refusal}", flush=True)
+        return 2
     return launch(train_rank, (config,), nproc=config.nproc, backend=backend)
+
+
+def refused_request(config: TrainConfig, world_size: int, local_world_size: int) -> str | None:
+    """Why the ranks would refuse ``config``'s sharding request, checked before any starts.
+
+    The planner's options for the pinned sharding types on the run's tables (a type a table's
+    shape cannot take, a node-aware type without whole nodes), as rank 0 would plan them, so
+    such an error prints once, with no launcher output about ranks. ``None``: nothing refused.
+    """
+    if config.plan_json is not None:
+        return None  # a plan file is checked against the model by DMP on every rank
+    from embshard_dist.data.synthetic import SyntheticClicks
+    from embshard_dist.models.dlrm import DLRM
+    from embshard_dist.planner.planner import EmbeddingShardingPlanner
+    from embshard_dist.planner.topology import Topology
+    from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
+
+    tables = _table_configs(config)
+    data = SyntheticClicks(tables, batch_size=config.batch_size, seed=config.seed)
+    planner = EmbeddingShardingPlanner(
+        Topology(world_size=world_size, local_world_size=local_world_size),
+        constraints=_constraints(config, data),
+        batch_size=config.batch_size,
+    )
+    sharder = EmbeddingBagCollectionSharder(local_world_size=local_world_size)
+    try:
+        planner.check_options(DLRM(tables, device="meta"), [sharder])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _table_configs(config: TrainConfig) -> list[Any]:
+    """The model's tables: ``t0``, ``t1``... read by features ``f0``, ``f1``..."""
+    from embshard_types.configs import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(
+            name=name,
+            num_embeddings=config.rows,
+            embedding_dim=config.dim,
+            feature_names=(f"f{i}",),
+        )
+        for i, name in enumerate(config.table_names)
+    ]
 
 
 def _say(rank: int, text: str, *, end: str = "\n") -> None:
@@ -236,22 +291,13 @@ def train_rank(config: TrainConfig) -> int:
     from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
     from embshard_dist.strategies.nodes import resolve_local_world_size
     from embshard_optim.specs import OptimizerSpec
-    from embshard_types.configs import EmbeddingBagConfig
     from embshard_types.env import ShardingEnv
     from embshard_types.plan import ShardingPlan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = "nccl" in str(dist.get_backend()).lower()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    tables = [
-        EmbeddingBagConfig(
-            name=name,
-            num_embeddings=config.rows,
-            embedding_dim=config.dim,
-            feature_names=(f"f{i}",),
-        )
-        for i, name in enumerate(config.table_names)
-    ]
+    tables = _table_configs(config)
     spec = OptimizerSpec.from_name(config.optimizer, lr=config.lr)
     torch.manual_seed(config.seed)
     model = DLRM(tables)

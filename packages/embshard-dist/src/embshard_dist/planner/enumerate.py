@@ -6,8 +6,10 @@ on a rank or a node. Shard sizes come from :mod:`embshard_dist.strategies.layout
 :mod:`embshard_dist.planner.estimate`, so :meth:`ShardingOption.build` gives exactly what the
 partitioner balanced.
 
-Guarantees: options come out in a fixed order; dominated options are dropped; a table left
-with no option raises ``ValueError`` naming it, what it allows and what the sharder offers.
+Guarantees: options come out in a fixed order; dominated options and options the sharders'
+plan check refuses (:mod:`embshard_dist.planner.rules`) are dropped; a table left with no
+option raises ``ValueError`` naming it, what it allows, what the sharder offers and why the
+sharders refuse the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from embshard_dist.planner.cost_model import ZERO, Cost, CostModel, LoadedTable
 from embshard_dist.planner.costs import batch_cost, holder_cost, replica_cost
+from embshard_dist.planner.rules import kernel_refusal, type_refusal
 from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_dist.sharded.sharder import supported_kernels
@@ -53,7 +56,8 @@ SHARDING_TYPE_ORDER = (
 
 _ONLY_WHEN_ASKED = (ComputeKernel.QUANT, ComputeKernel.DENSE)
 """Kernels a table gets only when its constraints list them: ``quant`` is inference-only, and
-``dense`` tables are not trained by the embedding optimizer (they need a dense optimizer)."""
+``dense`` tables are not trained by the embedding optimizer (they need a dense optimizer); a
+table whose shape no fused kernel takes gets ``dense``, the one kernel the sharders accept."""
 
 
 @runtime_checkable
@@ -208,14 +212,38 @@ def _column_counts(dim: int, limit: int, min_partition: int) -> list[int]:
 
 
 def _kernels(
-    lt: LoadedTable, sharder: ShardingCapabilities, kind: ShardingType, device: str
+    lt: LoadedTable,
+    sharder: ShardingCapabilities,
+    kind: ShardingType,
+    device: str,
+    reasons: dict[str, None],
 ) -> list[ComputeKernel]:
+    """The kernels ``lt`` may use for ``kind`` that the sharders accept for its shape; each
+    refusal's reason is added to ``reasons``."""
     offered = [ComputeKernel.parse(k) for k in sharder.compute_kernels(kind, device)]
     wanted = lt.constraints.compute_kernels
     kernels = [k for k in offered if (k in wanted if wanted else k not in _ONLY_WHEN_ASKED)]
-    kernels = list(dict.fromkeys(kernels))
-    kernels.sort(key=lambda k: k is not ComputeKernel.FUSED)
-    return kernels
+    accepted = []
+    for kernel in dict.fromkeys(kernels):
+        why = kernel_refusal(kernel, lt.table.dim)
+        if why is None:
+            accepted.append(kernel)
+        else:
+            reasons[why] = None
+    if not accepted and not wanted and ComputeKernel.DENSE in offered:
+        accepted = [ComputeKernel.DENSE]
+    accepted.sort(key=lambda k: k is not ComputeKernel.FUSED)
+    return accepted
+
+
+def _allowed(lt: LoadedTable, model: CostModel) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ranks ``lt`` may use, and the nodes all of whose ranks it may use."""
+    topo = model.topology
+    allowed = tuple(lt.constraints.ranks) if lt.constraints.ranks else tuple(range(topo.world_size))
+    nodes = tuple(
+        node for node in range(topo.num_nodes) if set(topo.node_ranks(node)) <= set(allowed)
+    )
+    return allowed, nodes
 
 
 def _options_for(
@@ -225,14 +253,15 @@ def _options_for(
     kernel: ComputeKernel,
     model: CostModel,
 ) -> list[ShardingOption]:
+    """The options of one type and kernel the sharders accept (see :mod:`.rules`).
+
+    Column blocks go to distinct ranks (grid: distinct nodes), so there are at most as many
+    as the ranks (nodes) the table may use.
+    """
     topo = model.topology
     n, m = topo.world_size, topo.ranks_per_node
     t = lt.table
-    allowed = tuple(lt.constraints.ranks) if lt.constraints.ranks else tuple(range(n))
-    everyone = len(allowed) == n
-    nodes = tuple(
-        node for node in range(topo.num_nodes) if set(topo.node_ranks(node)) <= set(allowed)
-    )
+    allowed, nodes = _allowed(lt, model)
     min_part = max(MIN_COLUMN_BLOCK, lt.constraints.min_partition or MIN_COLUMN_BLOCK)
 
     memo: dict[tuple[int, int, int], Cost] = {}
@@ -249,25 +278,21 @@ def _options_for(
         )
 
     if kind is ShardingType.DATA_PARALLEL:
-        return [option([replica_cost(lt, kernel, model)] * n, [])] if everyone else []
+        return [option([replica_cost(lt, kernel, model)] * n, [])]
     if kind is ShardingType.TABLE_WISE:
         holder = held(t.rows, t.dim)
         return [option([batch_cost(lt, kind, model)] * n, [Unit((holder,))])]
     if kind is ShardingType.ROW_WISE:
-        if not everyone:
-            return []
         batch = batch_cost(lt, kind, model)
         sizes = row_wise_sizes(t.rows, n, table_name=t.key)
         return [option([batch + held(s, t.dim) for s in sizes], [])]
     if kind is ShardingType.COLUMN_WISE:
         out = []
-        for k in _column_counts(t.dim, n, min_part) or [1]:
+        for k in _column_counts(t.dim, len(allowed), min_part) or [1]:
             dims = column_wise_dims(t.dim, k, table_name=t.key)
             units = [Unit((held(t.rows, d, k),)) for d in dims]
             out.append(option([batch_cost(lt, kind, model, column_blocks=k)] * n, units, k))
         return out
-    if not nodes:
-        return []
     if kind is ShardingType.TABLE_ROW_WISE:
         sizes = row_wise_sizes(t.rows, m, table_name=t.key)
         unit = Unit(tuple(held(s, t.dim) for s in sizes), True)
@@ -279,7 +304,7 @@ def _options_for(
         unit = Unit(tuple(costs) + (ZERO,) * (m - k), True)
         return [option([batch_cost(lt, kind, model, column_blocks=k)] * n, [unit], k)]
     # GRID_SHARD: one column block per node (as many as the width allows), each row-wise.
-    k = max(_column_counts(t.dim, topo.num_nodes, min_part), default=1)
+    k = max(_column_counts(t.dim, len(nodes), min_part), default=1)
     dims = column_wise_dims(t.dim, k, table_name=t.key)
     sizes = row_wise_sizes(t.rows, m, table_name=t.key)
     units = [
@@ -344,24 +369,36 @@ def enumerate_options(
         ValueError: a table has no option left (named, with what was allowed and offered).
     """
     device = model.topology.compute_device
+    world = model.topology.world_size
     out = []
     for index, (lt, sharder) in enumerate(zip(tables, sharders, strict=True)):
         offered = [ShardingType.parse(k) for k in sharder.sharding_types(device)]
         wanted = lt.constraints.sharding_types
+        allowed, nodes = _allowed(lt, model)
         options: list[ShardingOption] = []
+        reasons: dict[str, None] = {}
         for kind in SHARDING_TYPE_ORDER:
             if kind not in offered or (wanted and kind not in wanted):
                 continue
-            for kernel in _kernels(lt, sharder, kind, device):
+            why = type_refusal(kind, lt.table.dim, allowed, world, nodes)
+            if why is not None:
+                reasons[why] = None
+                continue
+            for kernel in _kernels(lt, sharder, kind, device, reasons):
                 options.extend(_options_for(index, lt, kind, kernel, model))
         if not options:
-            raise ValueError(_no_option_message(lt, offered, sharder, device, model))
+            raise ValueError(_no_option_message(lt, offered, sharder, device, model, list(reasons)))
         out.append(_prune(options))
     return out
 
 
 def _no_option_message(
-    lt: LoadedTable, offered: list[ShardingType], sharder: Any, device: str, model: CostModel
+    lt: LoadedTable,
+    offered: list[ShardingType],
+    sharder: Any,
+    device: str,
+    model: CostModel,
+    reasons: Sequence[str],
 ) -> str:
     c = lt.constraints
     allowed_types = [k.value for k in c.sharding_types] if c.sharding_types else "any"
@@ -373,11 +410,13 @@ def _no_option_message(
         for k in offered
     }
     ranks = f", ranks {list(c.ranks)}" if c.ranks else ""
+    t = lt.table
+    where = f"module {t.path!r}: table {t.name!r}" if t.path else f"table {t.name!r}"
+    why = f" The sharders refuse it: {'; '.join(reasons)}." if reasons else ""
     return (
-        f"table {lt.table.key!r} has no sharding option on {device} with "
+        f"{where} has no sharding option on {device} with "
         f"{model.topology.world_size} ranks: its constraints allow sharding types "
         f"{allowed_types}, kernels {allowed_kernels}{ranks}; the sharder "
-        f"{type(sharder).__name__} offers {kernels}. Relax the table's constraints "
-        "(row-wise and data-parallel need every rank allowed; table-row-wise and grid a "
-        "whole node)"
+        f"{type(sharder).__name__} offers {kernels}.{why} Relax the table's constraints "
+        "or change its shape"
     )

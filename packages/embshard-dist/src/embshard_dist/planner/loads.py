@@ -1,10 +1,11 @@
 """Per-rank load bookkeeping for the partitioner: placing one option's pieces on ranks.
 
 :func:`place` puts an option's fixed cost on every rank, then each unit where it ends soonest
-among the allowed ranks (or nodes) with memory left.
+among the allowed ranks (or nodes) with memory left that hold no other unit of the option.
 
 Guarantees: deterministic (ties go to the lowest rank or node); a placement never puts a rank
-over its usable memory; ``apply`` then ``remove`` restores memory exactly.
+over its usable memory, nor two units of one option (two column blocks of a table) on one rank
+or node, which the sharders refuse; ``apply`` then ``remove`` restores memory exactly.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def place(opt: ShardingOption, st: LoadState, ctx: PartitionContext) -> Placed |
             ut, um, uh = unit.time_s[0], unit.storage[0], unit.host[0]
             best_key: tuple[float, float, int] | None = None
             for r in opt.allowed_ranks:
+                if r in placement:
+                    continue
                 m = st.mem[r] + dm[r] + um
                 if m > cap[r] or st.host[r] + dh[r] + uh > hcap[r]:
                     continue
@@ -169,6 +172,8 @@ def place(opt: ShardingOption, st: LoadState, ctx: PartitionContext) -> Placed |
             continue
         best_node: tuple[float, float, int] | None = None
         for node in opt.allowed_nodes:
+            if node in placement:
+                continue
             ranks = ctx.nodes[node]
             worst, total, fits = 0.0, 0.0, True
             for i, r in enumerate(ranks):

@@ -5,8 +5,10 @@ from a ``Topology``, and partitions the tables so the slowest rank is as fast as
 limits allow. ``collective_plan`` plans on the first rank and broadcasts the result, errors
 included.
 
-Guarantees: deterministic; never exceeds a rank's usable memory; when nothing fits,
-``PlannerError`` says what to relax; bad constraints raise ``ValueError`` naming the table.
+Guarantees: deterministic; never exceeds a rank's usable memory; every plan passes the
+sharders' plan check (the one DMP runs); when nothing fits, ``PlannerError`` says what to
+relax; bad constraints, or a table no option the sharders accept is left for, raise
+``ValueError`` naming the table.
 """
 
 from __future__ import annotations
@@ -153,18 +155,8 @@ class EmbeddingShardingPlanner(ShardingPlanner):
             ValueError: bad constraints, a table with no allowed option, or
                 :class:`PlannerError` when nothing fits.
         """
-        found = find_tables(tables)
-        given = list(sharders) if sharders else default_sharders()
-        per_table = self._sharders_for(tables, found, given)
-        planned = [t for t, s in zip(found, per_table, strict=True) if s is not None]
-        if not planned:
-            raise ValueError(
-                "none of the sharders given serves the model's embedding collections (their "
-                "module_type differs); pass a sharder for EmbeddingBagCollection"
-            )
-        sharders_used = [s for s in per_table if s is not None]
+        planned, sharders_used = self._planned(tables, sharders)
         topo = self.topology
-        check_constraints(planned, self.constraints, topo.world_size)
         dense = dense_parameter_bytes(tables) if isinstance(tables, nn.Module) else 0
         usable = usable_memory(topo.memory_per_rank, self.reserve_fraction, dense)
         if usable <= 0:
@@ -204,6 +196,35 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         )
         plan = _to_plan(planned, shardings)
         return PlannerResult(plan, estimate, result.method, result.optimal, tuple(planned))
+
+    def check_options(self, tables: TableSource, sharders: Sequence[Any] | None = None) -> None:
+        """Refuse, as :meth:`propose` would, a table its constraints leave no option the
+        sharders accept (e.g. a pinned type its shape cannot take); nothing is placed.
+
+        Raises:
+            ValueError: bad constraints, or a table with no allowed option (named, with why).
+        """
+        planned, sharders_used = self._planned(tables, sharders)
+        model = CostModel.build(self.topology, self.optimizer or _sharder_optimizer(sharders_used))
+        enumerate_options(
+            load_tables(planned, self.constraints, self.batch_size), sharders_used, model
+        )
+
+    def _planned(
+        self, tables: TableSource, sharders: Sequence[Any] | None
+    ) -> tuple[list[PlannerTable], list[Any]]:
+        """The tables a sharder serves, with their sharders; constraints checked."""
+        found = find_tables(tables)
+        given = list(sharders) if sharders else default_sharders()
+        per_table = self._sharders_for(tables, found, given)
+        planned = [t for t, s in zip(found, per_table, strict=True) if s is not None]
+        if not planned:
+            raise ValueError(
+                "none of the sharders given serves the model's embedding collections (their "
+                "module_type differs); pass a sharder for EmbeddingBagCollection"
+            )
+        check_constraints(planned, self.constraints, self.topology.world_size)
+        return planned, [s for s in per_table if s is not None]
 
     def _sharders_for(
         self, source: TableSource, tables: Sequence[PlannerTable], sharders: Sequence[Any]

@@ -4,7 +4,8 @@ Both rank partial partitions by a lower bound of the final step time (the slowes
 or the mean once the remaining tables' cheapest options are added).
 
 Guarantees: deterministic (fixed orders, ties broken by index, budgets counted in steps rather
-than seconds); only partitions that fit every rank's memory are returned.
+than seconds); only partitions that fit every rank's memory, with the units of an option on
+distinct ranks (or nodes), are returned.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def beam_search(ctx: PartitionContext, width: int) -> SearchResult | None:
 def _placements(
     opt: ShardingOption, st: LoadState, ctx: PartitionContext, symmetric: bool
 ) -> Iterator[Placed]:
-    """Every memory-feasible placement of ``opt``'s units (one per class of identical ranks)."""
+    """Every memory-feasible placement of ``opt``'s units on distinct ranks (or nodes), one per
+    class of identical ranks."""
     n = ctx.n
     dt = list(opt.base_time)
     dm = list(opt.base_storage)
@@ -105,6 +107,8 @@ def _placements(
             targets = [(r, [(0, r)]) for r in opt.allowed_ranks]
         seen: set[tuple[Any, ...]] = set()
         for target, members in targets:
+            if target in chosen:
+                continue
             if not unit.node and symmetric:
                 r = members[0][1]
                 key = (st.time[r] + dt[r], st.mem[r] + dm[r], st.host[r] + dh[r])

@@ -4,8 +4,9 @@ A spec gives ``module``, ``batch_size``, ``optimizer`` and ``tables``: each with
 ``rows``, ``dim``, optional ``pooling_factor``, ``features``, ``data_type``, ``pooling``,
 ``weighted``, ``module`` and any ``ParameterConstraints`` field.
 
-Guarantees: unknown keys and bad values raise ``ValueError`` naming the file, table and key; a
-YAML file without PyYAML raises ``ValueError`` saying to install it or use JSON.
+Guarantees: unknown keys and bad values raise ``ValueError`` naming the file, table and key
+(a string where a list is expected is refused, never split into letters); a YAML file without
+PyYAML raises ``ValueError`` saying to install it or use JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +27,67 @@ __all__ = ["TableSpec", "load_table_spec", "parse_table_spec"]
 _TOP_KEYS = ("module", "batch_size", "optimizer", "tables")
 _TABLE_KEYS = ("name", "rows", "dim", "features", "data_type", "pooling", "weighted", "module")
 _PF_KEYS = ("pooling_factor", "pooling_factors")
+
+_LISTS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "features": ("feature names", (str,)),
+    "sharding_types": ("sharding type names", (str,)),
+    "compute_kernels": ("compute kernel names", (str,)),
+    "pooling_factors": ("numbers", (int, float)),
+    "num_poolings": ("numbers", (int, float)),
+    "batch_sizes": ("integers", (int,)),
+    "ranks": ("integers", (int,)),
+}
+"""Fields that take a list, with what its items are."""
+
+_SCALARS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "name": ("a string", (str,)),
+    "module": ("a module path string", (str,)),
+    "data_type": ("a data type name", (str,)),
+    "pooling": ("a pooling name", (str,)),
+    "bounds_check_mode": ("a bounds check mode name", (str,)),
+    "output_dtype": ("a data type name", (str,)),
+    "rows": ("an integer", (int,)),
+    "dim": ("an integer", (int,)),
+    "min_partition": ("an integer", (int,)),
+    "pooling_factor": ("a number", (int, float)),
+    "zipf_exponent": ("a number", (int, float)),
+    "weighted": ("true or false", (bool,)),
+    "is_weighted": ("true or false", (bool,)),
+    "enforce_hbm": ("true or false", (bool,)),
+    "stochastic_rounding": ("true or false", (bool,)),
+    "cache_params": ("a mapping", (Mapping,)),
+    "key_value_params": ("a mapping", (Mapping,)),
+}
+"""Fields that take one value, with its kind."""
+
+
+def _is(value: Any, kinds: tuple[type, ...]) -> bool:
+    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+
+
+def _check_fields(where: str, entry: Mapping[str, Any]) -> None:
+    """Refuse a value of the wrong kind, naming the table and the field."""
+    for key, value in entry.items():
+        if value is None:
+            continue
+        if key in _LISTS:
+            what, kinds = _LISTS[key]
+            if isinstance(value, str):
+                raise ValueError(
+                    f"{where}: field {key!r} must be a list of {what}, got the string "
+                    f"{value!r}; write [{value!r}]"
+                )
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{where}: field {key!r} must be a list of {what}, got {value!r}")
+            bad = [v for v in value if not _is(v, kinds)]
+            if bad:
+                raise ValueError(
+                    f"{where}: field {key!r} must be a list of {what}, but it holds {bad[0]!r}"
+                )
+        elif key in _SCALARS:
+            what, kinds = _SCALARS[key]
+            if not _is(value, kinds):
+                raise ValueError(f"{where}: field {key!r} must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +154,12 @@ def parse_table_spec(data: Any) -> TableSpec:
     batch = data.get("batch_size", DEFAULT_BATCH_SIZE)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"'batch_size' must be a positive int, got {batch!r}")
-    optimizer = OptimizerSpec.from_name(str(data.get("optimizer", "rowwise_adagrad")))
+    optimizer_name = data.get("optimizer", "rowwise_adagrad")
+    if not isinstance(optimizer_name, str):
+        raise ValueError(
+            f"'optimizer' must be an optimizer name such as 'rowwise_adagrad', got {optimizer_name!r}"
+        )
+    optimizer = OptimizerSpec.from_name(optimizer_name)
     tables: list[PlannerTable] = []
     constraints: dict[str, ParameterConstraints] = {}
     for i, entry in enumerate(entries):
@@ -117,6 +184,7 @@ def _parse_table(
     for required in ("name", "rows", "dim"):
         if required not in entry:
             raise ValueError(f"{where}: missing key {required!r}")
+    _check_fields(where, entry)
     path = entry.get("module", module)
     try:
         table = PlannerTable(

@@ -28,7 +28,16 @@ from embshard_dist.planner.calibration.probes import (
 )
 from embshard_dist.planner.topology import KernelThroughput, Topology, default_topology
 
-__all__ = ["calibrate", "measure_comms", "measure_kernels", "measure_memory_bw"]
+__all__ = [
+    "CALIBRATION_BACKENDS",
+    "calibrate",
+    "measure_comms",
+    "measure_kernels",
+    "measure_memory_bw",
+]
+
+CALIBRATION_BACKENDS = ("gloo",)
+"""Process-group backends the calibration runs on (its probes are CPU tensors)."""
 
 
 def measure_memory_bw(reps: int = 7, sync: Callable[[], object] | None = None) -> float:
@@ -101,7 +110,19 @@ def calibrate(
             comms and sharding overheads keep the fallback's figures).
         processes: local processes measuring together (at least 2).
         reps: timed rounds of the probes (more: steadier figures on a busy host).
+
+    Raises:
+        ValueError: a count below 1, an unknown backend, or a node size not dividing
+            ``world_size``, before anything is measured.
     """
+    for name, value in (("threads", threads), ("processes", processes), ("reps", reps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"calibrate: {name} must be a positive int, got {value!r}")
+    if backend not in CALIBRATION_BACKENDS:
+        raise ValueError(
+            f"calibrate: unknown backend {backend!r}; the calibration runs on "
+            f"{list(CALIBRATION_BACKENDS)} (its probes are CPU tensors)"
+        )
     base = default_topology(world_size, local_world_size=local_world_size)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     host = platform.node() or "this host"

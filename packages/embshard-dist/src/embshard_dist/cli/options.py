@@ -1,0 +1,57 @@
+"""Argument types shared by the ``embshard`` sub-commands: numbers checked as argparse parses.
+
+Each function takes the option's text and returns its value, or raises
+``argparse.ArgumentTypeError``, which argparse prints as ``argument --x: <message>`` with the
+usage and exit status 2, before any work (or any process) starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["check_divides", "fraction", "non_negative_int", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A finite number in ``[0, 1)``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not math.isfinite(value) or not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
+def check_divides(
+    parser: argparse.ArgumentParser, world_size: int | None, local_world_size: int | None
+) -> None:
+    """Exit through ``parser.error`` unless ``--local-world-size`` divides ``--world-size``."""
+    if world_size is not None and local_world_size is not None and world_size % local_world_size:
+        parser.error(
+            f"--local-world-size {local_world_size} must divide --world-size {world_size} "
+            "(ranks per node, every node the same size)"
+        )
