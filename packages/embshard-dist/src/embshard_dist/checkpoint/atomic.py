@@ -1,7 +1,7 @@
 """Making a checkpoint visible all at once, and keeping a directory of checkpoints tidy.
 
 A checkpoint is written into a hidden sibling ``.NAME.tmp-TOKEN``, then :func:`commit` writes
-its metadata and renames it into place; an interrupted save leaves only that hidden directory,
+its metadata (with every file's size and digest) and renames it into place; an interrupted save leaves only that hidden directory,
 which :func:`remove_stale` removes later.
 
 Guarantees: :func:`commit` never replaces a path; :func:`write_latest` is atomic; :func:`prune`
@@ -22,6 +22,7 @@ from embshard_dist.checkpoint.format import (
     CheckpointMetadata,
     resolve_checkpoint,
 )
+from embshard_dist.checkpoint.integrity import file_checksum
 
 __all__ = [
     "commit",
@@ -73,8 +74,11 @@ def list_files(root: Path) -> dict[str, int]:
 def commit(tmp: Path, final: Path, metadata: CheckpointMetadata) -> CheckpointMetadata:
     """Write the metadata of the checkpoint in ``tmp`` and rename ``tmp`` to ``final``.
 
+    Files without a digest in ``metadata.checksums`` (``.metadata``, an import's files) are
+    hashed here.
+
     Returns:
-        The metadata written (with the file list filled in).
+        The metadata written (with the file list and every file's digest filled in).
 
     Raises:
         ValueError: ``final`` already exists.
@@ -86,7 +90,9 @@ def commit(tmp: Path, final: Path, metadata: CheckpointMetadata) -> CheckpointMe
         )
     for sub in [p for p in tmp.rglob("*") if p.is_dir()]:
         fsync_dir(sub)
-    metadata = dataclasses.replace(metadata, files=list_files(tmp))
+    files = list_files(tmp)
+    checksums = {name: metadata.checksums.get(name) or file_checksum(tmp / name) for name in files}
+    metadata = dataclasses.replace(metadata, files=files, checksums=checksums)
     staging = tmp / f"{METADATA_FILE}.partial"
     staging.write_text(metadata.to_json())
     fsync_file(staging)

@@ -5,7 +5,8 @@ The export is a directory of ``torch.save``'d values named by state-dict key (``
 dict any unsharded model loads. Values are read and written one at a time in one process, so
 peak memory grows by about twice the largest tensor however large the model.
 
-Guarantees: the checkpoint is checked first; the destination must not exist; nothing appears
+Guarantees: the checkpoint is verified first (every file's size and checksum, its
+``.metadata`` index readable); the destination must not exist; nothing appears
 there unless the export completed (one rename at the end).
 """
 
@@ -31,9 +32,9 @@ from embshard_dist.checkpoint.format import (
     read_metadata,
     resolve_checkpoint,
 )
+from embshard_dist.checkpoint.integrity import verify_files
 from embshard_dist.checkpoint.reader import StoredCheckpoint
 from embshard_dist.checkpoint.tensors import quiet
-from embshard_dist.checkpoint.validate import check_files
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -107,11 +108,12 @@ def export_checkpoint(
         The export's index (what ``index.json`` holds).
 
     Raises:
-        ValueError: ``out`` exists, or the checkpoint is not readable (named problems).
+        ValueError: ``out`` exists, or the checkpoint is damaged (each bad file named, with the
+            tables it holds).
     """
     source = resolve_checkpoint(path)
     metadata = read_metadata(source)
-    problems = check_files(source, metadata)
+    problems = verify_files(source, metadata)
     if problems:
         raise ValueError(f"cannot export {str(source)!r}:\n  - " + "\n  - ".join(problems))
     final = Path(out)

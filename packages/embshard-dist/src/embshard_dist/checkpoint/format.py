@@ -158,6 +158,12 @@ class CheckpointMetadata:
         plan: the saving plan (``ShardingPlan.to_dict()``), ``None`` when imported.
         files: every file of the checkpoint but ``embshard.json``, with its size in bytes.
         source: ``"save"`` or ``"import"``.
+        checksums: each file's xxh3-64 digest (hex); empty in checkpoints written before
+            embshard recorded them (they load unverified).
+        extra_state: names of the user state saved beside the model (``extra_state=``), one
+            copy per rank.
+        step_known: whether the saver gave ``step`` (else ``step`` is 0 and a load leaves the
+            fused optimizers' step counters alone).
     """
 
     version: int
@@ -173,6 +179,9 @@ class CheckpointMetadata:
     files: dict[str, int]
     created: str
     source: str
+    checksums: dict[str, str] = field(default_factory=dict)
+    extra_state: tuple[str, ...] = ()
+    step_known: bool = True
 
     def table(self, key: str) -> TableInfo | None:
         """The table whose state-dict key is ``key``, if any."""
@@ -225,6 +234,9 @@ class CheckpointMetadata:
                 files={str(k): int(v) for k, v in data["files"].items()},
                 created=str(data["created"]),
                 source=str(data["source"]),
+                checksums={str(k): str(v) for k, v in data.get("checksums", {}).items()},
+                extra_state=tuple(str(n) for n in data.get("extra_state", ())),
+                step_known=bool(data.get("step_known", True)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(

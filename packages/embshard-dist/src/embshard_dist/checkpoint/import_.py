@@ -209,6 +209,8 @@ def _from_export(path: Path) -> tuple[dict[str, Any], CheckpointMetadata]:
         has_optimizer=optimizer,
         plan=None,
         files={},
+        checksums={},  # the export's files are new: commit hashes them
+        extra_state=(),  # an export holds no extra state
         created=_now(),
         source="import",
     )

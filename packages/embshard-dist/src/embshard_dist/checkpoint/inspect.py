@@ -1,7 +1,9 @@
 """``embshard checkpoint inspect``: what a checkpoint holds, without loading any tensor.
 
 :func:`inspect_checkpoint` reads only the metadata and file sizes (tables, dense tensors, step,
-plan, bytes per rank, missing or truncated files); :func:`format_inspection` prints it.
+plan, bytes per rank, missing or truncated files); with ``verify=True`` it also reads every file
+to compare its checksum and checks that the ``.metadata`` index is readable.
+:func:`format_inspection` prints it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,10 +19,12 @@ import torch
 from embshard_dist.checkpoint.format import (
     FORMAT_VERSION,
     OBJECT,
+    CheckpointMetadata,
     parse_dtype,
     read_metadata,
     resolve_checkpoint,
 )
+from embshard_dist.checkpoint.integrity import verify_files
 from embshard_dist.checkpoint.validate import check_files
 from embshard_types.plan import ShardingPlan
 
@@ -34,8 +39,11 @@ def _bytes_of(dtype: str, count: int) -> int:
     return count * torch.empty((), dtype=parse_dtype(dtype, what="checkpoint")).element_size()
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
     """A JSON-able summary of the checkpoint at ``path``.
+
+    Args:
+        verify: read every file and compare its checksum (else sizes only).
 
     Raises:
         ValueError: not a checkpoint, or one of a newer format version.
@@ -89,8 +97,21 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         "files": {"count": len(meta.files), "bytes": sum(meta.files.values())},
         "bytes_per_rank": {str(r): per_rank[r] for r in sorted(per_rank)},
         "plan": meta.plan,
-        "problems": check_files(final, meta),
+        "verified": _verified(meta) if verify else None,
+        "problems": _problems(final, meta, verify=verify),
     }
+
+
+def _problems(final: Path, meta: CheckpointMetadata, *, verify: bool) -> list[str]:
+    if not verify:
+        return check_files(final, meta)
+    return verify_files(final, meta)
+
+
+def _verified(meta: CheckpointMetadata) -> str:
+    if meta.checksums:
+        return "checksums"
+    return "sizes only (written before embshard recorded checksums)"
 
 
 def _count(shape: tuple[int, ...]) -> int:
@@ -124,6 +145,11 @@ def format_inspection(info: Mapping[str, Any]) -> str:
             + ")"
             if info["bytes_per_rank"]
             else ""
+        ),
+        *(
+            [f"  verified: {info['verified']}" + (" (all match)" if not info["problems"] else "")]
+            if info.get("verified")
+            else []
         ),
         "",
         f"{'table':40} {'rows x dim':>16} {'dtype':9} {'sharding':14} {'weights':>10} "

@@ -3,15 +3,18 @@
 Each rank asks ``torch.distributed.checkpoint`` for exactly the blocks its shards cover, so a
 checkpoint saved on N processes under one plan loads bit for bit on M under another.
 
-Guarantees: every rank checks the checkpoint and the ranks agree before anything is read; reads
-go to fresh buffers copied into the model only when all succeeded, so a failed load leaves the
-model untouched and raises the same ``ValueError`` on every rank.
+Guarantees: every rank checks the checkpoint (every file's size; its share of the files'
+checksums) and the ranks agree before anything is read; reads go to fresh buffers copied into the
+model (and handed to the ``extra_state`` objects) only when all succeeded, so a failed load leaves
+them untouched and raises the same ``ValueError`` on every rank. A rank that freezes or dies
+gives the others ``CollectiveError`` within about the collective limit.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, MutableMapping
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from embshard_dist.checkpoint.bounded import checkpoint_group, failure_summary, run_collective
+from embshard_dist.checkpoint.extra_state import (
+    check_loadable,
+    extra_file,
+    read_extra_state,
+    restore_extra_state,
+)
 from embshard_dist.checkpoint.format import (
     OBJECT,
     CheckpointMetadata,
@@ -31,13 +41,17 @@ from embshard_dist.checkpoint.format import (
     resolve_checkpoint,
     rng_file,
 )
+from embshard_dist.checkpoint.integrity import verify_files
 from embshard_dist.checkpoint.layout import ModelLayout, TableLayout, describe_model
 from embshard_dist.checkpoint.save import wait_for_pending_save
 from embshard_dist.checkpoint.tensors import Piece, quiet, read_tiling, sharded_tensor
 from embshard_dist.checkpoint.train_state import agree, from_json_value, restore_rng
-from embshard_dist.checkpoint.validate import check_dense_optimizer, check_files, check_model
+from embshard_dist.checkpoint.validate import check_dense_optimizer, check_model
+from embshard_dist.comm.timeouts import CollectiveError
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+
     from embshard_dist.dmp.model_parallel import DistributedModelParallel
 
 __all__ = ["LoadResult", "load_checkpoint"]
@@ -72,6 +86,7 @@ def load_checkpoint(
     optimizer: bool = True,
     dense: bool = True,
     rng: bool = True,
+    extra_state: Mapping[str, Stateful] | None = None,
 ) -> LoadResult:
     """Load a checkpoint into ``dmp`` (every rank calls it).
 
@@ -81,14 +96,21 @@ def load_checkpoint(
         dense: load the dense tensors (``False`` for a checkpoint imported from an
             embedding collection alone).
         rng: restore the random generator states (only when the world size is the same).
+        extra_state: ``Stateful`` objects saved with ``save_checkpoint(extra_state=...)``, by
+            name; each gets this rank's saved state through ``load_state_dict`` (same world
+            size only).
 
     Raises:
         ValueError: on every rank, before the model is touched: not a checkpoint, a newer
-            format, missing or truncated files, a mismatch with the model, or a failed read.
+            format, missing, truncated or changed files (named, with the tables they hold), a
+            mismatch with the model or the extra state, or a failed read.
+        CollectiveError: a rank froze or died during the load.
     """
     wait_for_pending_save()
     with quiet():
-        return _load(dmp, path, optimizer=optimizer, dense=dense, rng=rng)
+        return _load(
+            dmp, path, optimizer=optimizer, dense=dense, rng=rng, extra=dict(extra_state or {})
+        )
 
 
 def _load(
@@ -98,6 +120,7 @@ def _load(
     optimizer: bool,
     dense: bool,
     rng: bool,
+    extra: dict[str, Stateful],
 ) -> LoadResult:
     layout = describe_model(dmp)
     pg = layout.pg
@@ -111,8 +134,16 @@ def _load(
     except ValueError as e:
         problems.append(str(e))
     if metadata is not None:
-        problems += check_files(final, metadata)
+        me, size = dist.get_rank(pg), dist.get_world_size(pg)
+        problems += verify_files(final, metadata, rank=me, world_size=size)
         problems += check_model(metadata, layout, optimizer=optimizer, dense=dense)
+        problems += check_loadable(extra, metadata, layout.world_size)
+    states: dict[str, Any] = {}
+    if metadata is not None and extra and not problems:
+        states, found = read_extra_state(final / extra_file(layout.rank), sorted(extra))
+        problems += found
+    if metadata is not None and not metadata.checksums and not problems and me == 0:
+        _warn_unverified(final)
     agree(problems, group=pg, name=where)
     assert metadata is not None
     created = _init_dense_state(dmp, layout, metadata) if optimizer else False
@@ -134,6 +165,7 @@ def _load(
             live.copy_(loaded)
     if optimizer:
         _load_optimizers(dmp, layout, metadata, targets)
+    restore_extra_state(extra, states)
     restored = False
     rng_path = final / rng_file(layout.rank)
     if rng and metadata.world_size == layout.world_size and rng_path.is_file():
@@ -161,28 +193,40 @@ def _init_dense_state(
     return True
 
 
+_warned: set[Path] = set()
+
+
+def _warn_unverified(path: Path) -> None:
+    """Say once per checkpoint that it has no checksums to verify."""
+    if path not in _warned:
+        _warned.add(path)
+        warnings.warn(
+            f"checkpoint {str(path)!r} was written before embshard recorded checksums: its "
+            "files are checked by size only; save it again to get verified checkpoints",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _read(targets: dict[str, Any], path: Path, pg: dist.ProcessGroup | None, where: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    group = checkpoint_group(pg)
     problems: list[str] = []
     try:
-        dcp.load(targets, storage_reader=dcp.FileSystemReader(path), process_group=pg)
-    except (Exception, CheckpointException) as e:  # reported on every rank; model untouched
-        problems.append(f"reading {str(path)!r} failed: {_summary(e)}; its data is damaged")
-    agree(problems, group=pg, name=where)
-
-
-def _summary(error: BaseException) -> str:
-    """One line per failing rank for a ``CheckpointException``, else the error's first line."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return "; ".join(
-            f"rank {rank}: {_summary(found[0] if isinstance(found, tuple) else found)}"
-            for rank, found in sorted(failures.items())
+        run_collective(
+            f"{where} (torch.distributed.checkpoint)",
+            lambda: dcp.load(
+                targets, storage_reader=dcp.FileSystemReader(path), process_group=group
+            ),
+            group=group,
         )
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {first[:160]}"
+    except CollectiveError:
+        raise
+    except (Exception, CheckpointException) as e:  # reported on every rank; model untouched
+        problems.append(f"reading {str(path)!r} failed: {failure_summary(e)}; its data is damaged")
+    agree(problems, group=pg, name=where)
 
 
 def _targets(
@@ -292,5 +336,5 @@ def _load_optimizers(
                 group[key] = from_json_value(value)
     fused.post_load_state_dict()
     set_step: Callable[[int], None] | None = getattr(fused, "set_optimizer_step", None)
-    if set_step is not None:
+    if set_step is not None and metadata.step_known:
         set_step(metadata.step)

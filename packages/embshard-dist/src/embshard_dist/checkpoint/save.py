@@ -1,21 +1,27 @@
 """Saving a ``DistributedModelParallel``'s training state, atomically, maybe in the background.
 
-Each rank writes only its own shards through ``torch.distributed.checkpoint`` into a hidden
-directory that rank 0 renames into place once all have written. An asynchronous save copies the
-state to CPU first, then writes on a background thread over its own gloo group.
+Each rank writes only its own shards (and the job's ``extra_state``) through
+``torch.distributed.checkpoint`` into a hidden directory, hashes the files it wrote, and rank 0
+records the digests and renames the directory into place once all have written. The exchanges
+run on a gloo group bounded by embshard's collective limit. An asynchronous save copies the state
+to CPU first, then writes on a background thread.
 
 Guarantees: every rank calls together; an existing destination is refused before anything is
-written; an error on any rank is raised on every rank; a save stopped half-way leaves earlier
-checkpoints and ``latest`` untouched.
+written; an error on any rank is raised on every rank (a rank's own reason kept, e.g. ``No space
+left on device``) and the hidden directory is removed; a rank that freezes or dies gives the
+others ``CollectiveError``; a save stopped half-way leaves earlier checkpoints and ``latest``
+untouched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import secrets
+import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +38,13 @@ from embshard_dist.checkpoint.atomic import (
     temporary_path,
     write_latest,
 )
+from embshard_dist.checkpoint.bounded import checkpoint_group, failure_summary, run_collective
+from embshard_dist.checkpoint.extra_state import (
+    capture_extra_state,
+    check_extra_state,
+    extra_file,
+    write_extra_state,
+)
 from embshard_dist.checkpoint.format import (
     FORMAT_VERSION,
     OBJECT,
@@ -45,11 +58,14 @@ from embshard_dist.checkpoint.format import (
     rng_file,
     step_dir_name,
 )
+from embshard_dist.checkpoint.integrity import file_checksum
 from embshard_dist.checkpoint.layout import ModelLayout, describe_model
 from embshard_dist.checkpoint.tensors import Piece, Shard, quiet, sharded_tensor
 from embshard_dist.checkpoint.train_state import agree, capture_rng, gather_json
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+
     from embshard_dist.dmp.model_parallel import DistributedModelParallel
 
 __all__ = [
@@ -82,7 +98,6 @@ class SaveHandle:
 
 
 _pending: SaveHandle | None = None
-_async_groups: dict[int, dist.ProcessGroup] = {}
 
 
 def wait_for_pending_save() -> None:
@@ -97,24 +112,41 @@ def save_checkpoint(
     dmp: DistributedModelParallel,
     path: str | os.PathLike[str],
     *,
-    step: int,
+    step: int | None = None,
     async_save: bool = False,
+    extra_state: Mapping[str, Stateful] | None = None,
 ) -> SaveHandle:
     """Save ``dmp``'s training state to the new checkpoint directory ``path`` (all ranks call).
 
     Args:
         path: the checkpoint to create (its parent is created if needed; it must not exist).
         step: training steps taken so far (restored by the load, and given to the fused
-            optimizers' step counters).
+            optimizers' step counters); ``None`` records 0 and a load then leaves the step
+            counters as they are.
         async_save: write in a background thread.
+        extra_state: the job's own state to keep with the model (data loader position, LR
+            scheduler, metrics): ``Stateful`` objects by name, saved per rank from their
+            ``state_dict()`` (taken now) and restored by ``load_checkpoint(extra_state=...)``.
 
     Returns:
         A handle; with ``async_save=False`` the save is already complete.
 
     Raises:
-        ValueError: ``path`` exists or ``step`` is negative (on every rank, nothing written).
+        ValueError: ``path`` exists, ``step`` is negative or ``extra_state`` is not a mapping of
+            ``Stateful`` objects with the same names on every rank (on every rank, nothing
+            written).
+        RuntimeError: a rank failed to write (its reason, e.g. ``No space left on device``,
+            is in the message; the hidden temporary directory is removed).
+        CollectiveError: a rank froze or died during the save.
     """
-    return _save(dmp, Path(path), step=step, async_save=async_save, after_commit=None)
+    return _save(
+        dmp,
+        Path(path),
+        step=step,
+        async_save=async_save,
+        after_commit=None,
+        extra_state=extra_state,
+    )
 
 
 def save_to_directory(
@@ -124,17 +156,21 @@ def save_to_directory(
     step: int,
     keep_last: int = 2,
     async_save: bool = False,
+    extra_state: Mapping[str, Stateful] | None = None,
 ) -> SaveHandle:
     """Save into ``root/step-NNNNNNNN``, then point ``root/latest`` at it and prune old ones.
 
     Args:
         keep_last: complete checkpoints to keep (the new one included; at least 1).
+        extra_state: as for :func:`save_checkpoint`.
 
     Raises:
         ValueError: ``keep_last`` < 1, or that step's checkpoint exists.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
     root = Path(root)
     final = root / step_dir_name(step)
 
@@ -142,39 +178,58 @@ def save_to_directory(
         write_latest(root, path.name)
         prune(root, keep_last)
 
-    return _save(dmp, final, step=step, async_save=async_save, after_commit=after_commit)
+    return _save(
+        dmp,
+        final,
+        step=step,
+        async_save=async_save,
+        after_commit=after_commit,
+        extra_state=extra_state,
+    )
 
 
 def _save(
     dmp: DistributedModelParallel,
     final: Path,
     *,
-    step: int,
+    step: int | None,
     async_save: bool,
     after_commit: Callable[[Path], None] | None,
+    extra_state: Mapping[str, Stateful] | None,
 ) -> SaveHandle:
     global _pending
     wait_for_pending_save()
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
     layout = describe_model(dmp)
     pg, rank = layout.pg, layout.rank
-    token = _shared_token(pg)
+    extra = dict(extra_state or {})
+    problems = check_extra_state(extra, what="save")
+    token, extra_names = _shared_token(pg, sorted(extra))
+    if not problems and sorted(extra) != extra_names:
+        problems.append(
+            f"rank {rank} gives extra_state {sorted(extra)} but rank 0 gives {extra_names}; "
+            "pass the same names on every rank"
+        )
     tmp = temporary_path(final, token)
-    problems: list[str] = []
     if rank == 0:
-        problems = _prepare(final, tmp, clean=after_commit is not None)
-    agree(problems, group=pg, name=f"checkpoint save to {str(final)!r}")
-    metadata = _metadata(layout, step, dmp.plan.to_dict())
+        problems += _prepare(final, tmp, clean=after_commit is not None)
+    try:
+        agree(problems, group=pg, name=f"checkpoint save to {str(final)!r}")
+    except ValueError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    metadata = _metadata(layout, step, dmp.plan.to_dict(), tuple(sorted(extra)))
     with quiet():
         entries = save_entries(layout, stage=async_save)
+    states = capture_extra_state(extra, stage=async_save)
     rng = capture_rng()
-
-    group = _async_group(pg) if async_save else pg  # made here: new_group is a collective
+    group = checkpoint_group(pg)  # made here, on every rank: new_group is a collective
 
     def write() -> Path:
         with quiet():
-            return _write(entries, rng, metadata, tmp, final, rank, group, after_commit)
+            return _write(entries, (rng, states), metadata, tmp, final, rank, group, after_commit)
 
     future: Future[Path] = Future()
     if not async_save:
@@ -192,10 +247,10 @@ def _save(
     return _pending
 
 
-def _shared_token(pg: dist.ProcessGroup | None) -> str:
-    """A random token chosen by rank 0, the same on every rank."""
-    token: str = gather_json(secrets.token_hex(6), group=pg, name="checkpoint.token")[0]
-    return token
+def _shared_token(pg: dist.ProcessGroup | None, extra: list[str]) -> tuple[str, list[str]]:
+    """A random token chosen by rank 0 and rank 0's extra-state names, the same on every rank."""
+    first = gather_json([secrets.token_hex(6), extra], group=pg, name="checkpoint.token")[0]
+    return str(first[0]), [str(n) for n in first[1]]
 
 
 def _prepare(final: Path, tmp: Path, *, clean: bool) -> list[str]:
@@ -212,62 +267,83 @@ def _prepare(final: Path, tmp: Path, *, clean: bool) -> list[str]:
     return []
 
 
-def _async_group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A gloo group over ``pg``'s ranks for background saves (made once, on first use)."""
-    key = id(pg)
-    if key not in _async_groups:
-        ranks = None if pg is None else dist.get_process_group_ranks(pg)
-        group = dist.new_group(ranks=ranks, backend="gloo")
-        assert group is not None
-        _async_groups[key] = group
-    return _async_groups[key]
-
-
 def _write(
     entries: dict[str, Any],
-    rng: dict[str, Any],
+    own: tuple[dict[str, Any], dict[str, Any]],
     metadata: CheckpointMetadata,
     tmp: Path,
     final: Path,
     rank: int,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup,
     after_commit: Callable[[Path], None] | None,
 ) -> Path:
+    """Write through ``torch.distributed.checkpoint``, hash, and let rank 0 commit."""
     import torch.distributed.checkpoint as dcp
-
-    rng_path = tmp / rng_file(rank)
-    torch.save(rng, rng_path)
-    fsync_file(rng_path)
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from embshard_dist.checkpoint.writer import RecordingWriter
+
+    where = f"writing the checkpoint {str(final)!r} failed"
+    writer = RecordingWriter(tmp)
     try:
-        dcp.save(
-            entries,
-            storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-            process_group=group,
+        run_collective(
+            f"checkpoint save to {str(final)!r} (torch.distributed.checkpoint)",
+            lambda: dcp.save(entries, storage_writer=writer, process_group=group),
+            group=group,
         )
-    except CheckpointException as e:  # a BaseException: make it an ordinary error
-        raise RuntimeError(f"writing the checkpoint {str(final)!r} failed: {e}") from e
-    problems: list[str] = []
+    except CheckpointException as e:  # every rank got it from the same exchange: all stopped
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"{where}: {failure_summary(e)}") from e
+    local = _finish_rank(own, tmp, rank, writer.written)
+    reports = gather_json(local, group=group, name=f"checkpoint files of {str(final)!r}")
+    problems = [p for report in reports for p in report["problems"]]
+    if problems:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"{where}: " + "; ".join(problems))
+    checksums = {n: d for report in reports for n, d in report["checksums"].items()}
     if rank == 0:
         try:
-            commit(tmp, final, metadata)
+            commit(tmp, final, dataclasses.replace(metadata, checksums=checksums))
             if after_commit is not None:
                 after_commit(final)
         except (OSError, ValueError) as e:
             problems.append(f"rank 0 could not commit {str(final)!r}: {e}")
+            if not final.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     agree(problems, group=group, name=f"checkpoint commit of {str(final)!r}")
     return final
 
 
-def _metadata(layout: ModelLayout, step: int, plan: dict[str, Any]) -> CheckpointMetadata:
+def _finish_rank(
+    own: tuple[dict[str, Any], dict[str, Any]], tmp: Path, rank: int, written: list[str]
+) -> dict[str, Any]:
+    """This rank's generator states and extra state written, and the digests of its files."""
+    rng, states = own
+    try:
+        names = [*written, rng_file(rank)]
+        torch.save(rng, tmp / rng_file(rank))
+        if states:
+            write_extra_state(states, tmp / extra_file(rank))
+            names.append(extra_file(rank))
+        for name in names[len(written) :]:
+            fsync_file(tmp / name)
+        return {"problems": [], "checksums": {n: file_checksum(tmp / n) for n in names}}
+    except OSError as e:
+        return {"problems": [f"rank {rank}: {type(e).__name__}: {e}"], "checksums": {}}
+
+
+def _metadata(
+    layout: ModelLayout, step: int | None, plan: dict[str, Any], extra: tuple[str, ...]
+) -> CheckpointMetadata:
     dense_optimizer = {
         param: {name: _tensor_info(value) for name, value in states.items()}
         for param, states in layout.dense_state.items()
     }
     return CheckpointMetadata(
         version=FORMAT_VERSION,
-        step=step,
+        step=0 if step is None else step,
         world_size=layout.world_size,
         tables=tuple(t.info for t in layout.tables.values()),
         dense={k: _tensor_info(v) for k, v in layout.dense.items()},
@@ -279,6 +355,8 @@ def _metadata(layout: ModelLayout, step: int, plan: dict[str, Any]) -> Checkpoin
         files={},
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         source="save",
+        extra_state=extra,
+        step_known=step is not None,
     )
 
 

@@ -1,7 +1,8 @@
 """``embshard checkpoint``: inspect, export and import checkpoints, offline, in one process.
 
-Exit status: 0 on success, 1 when ``inspect`` finds the checkpoint damaged, 2 for bad input
-(the message says what is wrong).
+Exit status: 0 on success, 1 when ``inspect`` finds the checkpoint damaged (``--verify`` also
+reads every file against its checksum), 2 for bad input or a damaged checkpoint given to
+``export`` (the message names each bad file).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="print what a checkpoint holds")
     inspect.add_argument("path", metavar="DIR", help="a checkpoint or a directory of them")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every file and compare its checksum with the one recorded at the save",
+    )
     export = sub.add_parser("export", help="write every tensor unsharded, one file each")
     export.add_argument("path", metavar="DIR", help="a checkpoint or a directory of them")
     export.add_argument("out", metavar="OUT", help="the export directory to create")
@@ -44,7 +50,7 @@ def run(argv: Sequence[str]) -> int:
         if args.action == "inspect":
             from embshard_dist.checkpoint.inspect import format_inspection, inspect_checkpoint
 
-            info = inspect_checkpoint(args.path)
+            info = inspect_checkpoint(args.path, verify=args.verify)
             print(json.dumps(info, indent=2) if args.json else format_inspection(info))
             return 1 if info["problems"] else 0
         if args.action == "export":
