@@ -11,7 +11,10 @@ Zipf ids per bag). Timed, each on its own:
 - KeyedTensor ``regroup`` (two pooled outputs of half the features each, regrouped into even and
   odd features) and ``to_dict``;
 - ``embshard_dist.strategies.bucketize.bucketize_kjt``: row-wise routing of every id to one of 2
-  row blocks per table.
+  row blocks per table;
+- ``input_check``: the input check every sharded collection runs on the caller's batch before any
+  kernel or collective (``embshard_types.sparse.kjt_checks.KJTChecker``: layout, id ranges per
+  table), on a valid batch.
 
 KeyedJaggedTensor and KeyedTensor cache what they derive (offsets, per-key sizes, dicts), so every
 round times a fresh object built from the same tensors by ``setup`` (untimed) and asks it for
@@ -34,6 +37,7 @@ from compare.workloads import Workload, w1, w2
 from embshard_dist.strategies.bucketize import bucketize_kjt
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
+from embshard_types.sparse.kjt_checks import KJTChecker
 
 ROUNDS, WARMUP = 60, 5
 WORKLOADS: dict[str, Callable[[], Workload]] = {"W1": w1, "W2": w2}
@@ -122,6 +126,10 @@ def _case(op: str, name: str) -> tuple[Callable[..., Any], Callable[[], Any] | N
     if op == "bucketize_rw":
         bounds = _boundaries(name)
         return (lambda kjt: bucketize_kjt(kjt, bounds)), fresh
+    if op == "input_check":
+        tables = _input(name)[0].tables
+        checker = KJTChecker(keys, [t.rows for t in tables], weighted=False)
+        return (lambda kjt: checker.check(kjt)), fresh
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -137,6 +145,7 @@ OPS = [
     "kt_regroup",
     "kt_to_dict",
     "bucketize_rw",
+    "input_check",
 ]
 
 
