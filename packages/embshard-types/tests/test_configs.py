@@ -70,3 +70,79 @@ def test_invalid_configs(kwargs: dict[str, Any], error: type[Exception], message
     base: dict[str, Any] = {"name": "t", "num_embeddings": 4, "embedding_dim": 2}
     with pytest.raises(error, match=message):
         EmbeddingBagConfig(**{**base, **kwargs})
+
+
+def test_torchrec_fields_order_and_defaults() -> None:
+    cfg = EmbeddingBagConfig(16, 4, "t", "fp16", ["a"])  # TorchRec's positional order
+    assert (cfg.num_embeddings, cfg.embedding_dim, cfg.name) == (16, 4, "t")
+    assert cfg.data_type is DataType.FP16 and cfg.feature_names == ("a",)
+    assert (cfg.weight_init_min, cfg.weight_init_max) == (-0.25, 0.25)
+    assert (cfg.get_weight_init_min(), cfg.get_weight_init_max()) == (-0.25, 0.25)
+    assert cfg.init_fn is None and cfg.num_embeddings_post_pruning is None
+    assert cfg.use_virtual_table is False and cfg.stash_weights is False
+
+
+def test_weight_init_bounds_and_init_range_are_one_setting() -> None:
+    cfg = EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, weight_init_min=-2)
+    assert (cfg.weight_init_min, cfg.weight_init_max) == (-2.0, 0.5)
+    assert cfg.init_range == (-2.0, 0.5)
+    ranged = EmbeddingConfig(name="s", num_embeddings=4, embedding_dim=2, init_range=(0.0, 1.0))
+    assert (ranged.weight_init_min, ranged.weight_init_max) == (0.0, 1.0)
+    same = EmbeddingConfig(
+        name="s", num_embeddings=4, embedding_dim=2, weight_init_min=0.0, weight_init_max=1.0
+    )
+    assert same == ranged and hash(same) == hash(ranged)
+    with pytest.raises(ValueError, match="disagrees with weight_init_max=3"):
+        EmbeddingConfig(
+            name="s", num_embeddings=4, embedding_dim=2, init_range=(0, 1), weight_init_max=3
+        )
+    with pytest.raises(ValueError, match="weight_init_min must be at most weight_init_max"):
+        EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, weight_init_min=1.0)
+
+
+def test_initialize_uses_init_fn_else_uniform_bounds() -> None:
+    import functools
+
+    import torch
+
+    filled = EmbeddingBagConfig(
+        name="t",
+        num_embeddings=3,
+        embedding_dim=2,
+        init_fn=functools.partial(torch.nn.init.constant_, val=0.5),
+    )
+    weight = torch.empty(3, 2)
+    filled.initialize(weight)
+    assert torch.equal(weight, torch.full((3, 2), 0.5))
+    returned = EmbeddingBagConfig(
+        name="r", num_embeddings=3, embedding_dim=2, init_fn=lambda w: torch.ones_like(w)
+    )
+    returned.initialize(weight)
+    assert torch.equal(weight, torch.ones(3, 2))
+    bounded = EmbeddingBagConfig(
+        name="u", num_embeddings=300, embedding_dim=8, weight_init_min=2.0, weight_init_max=3.0
+    )
+    weight = torch.empty(300, 8)
+    bounded.initialize(weight, generator=torch.Generator().manual_seed(0))
+    assert float(weight.min()) >= 2.0 and float(weight.max()) <= 3.0
+    assert float(weight.max()) - float(weight.min()) > 0.9
+    with pytest.raises(TypeError, match="init_fn must be a callable"):
+        EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, init_fn=0.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field_name", "value", "message"),
+    [
+        ("num_embeddings_post_pruning", 2, "does not prune"),
+        ("use_virtual_table", True, "no virtual tables"),
+        ("total_num_buckets", 4, "no bucketised"),
+        ("stash_weights", True, "does not stash"),
+    ],
+)
+def test_torchrec_only_fields_are_refused_unless_default(
+    field_name: str, value: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=f"table 't': {field_name}={value!r} is not supported.*"):
+        EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, **{field_name: value})
+    with pytest.raises(ValueError, match=message):
+        EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, **{field_name: value})

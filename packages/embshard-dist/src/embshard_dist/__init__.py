@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     )
     from embshard_dist.comm.timeouts import CollectiveError
     from embshard_dist.dmp.collection import DMPCollection
+    from embshard_dist.dmp.dense import DataParallelWrapper, DefaultDataParallelWrapper
     from embshard_dist.dmp.model_parallel import DistributedModelParallel
     from embshard_dist.planner.constraints import ParameterConstraints
     from embshard_dist.planner.planner import EmbeddingShardingPlanner
@@ -32,6 +33,18 @@ if TYPE_CHECKING:
     from embshard_dist.sharded.embedding_bag import (
         EmbeddingBagCollectionSharder,
         ShardedEmbeddingBagCollection,
+    )
+    from embshard_dist.sharded.plan_helpers import (
+        apply_to_all,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        get_default_sharders,
+        grid_shard,
+        row_wise,
+        table_column_wise,
+        table_row_wise,
+        table_wise,
     )
 
 _LAZY: dict[str, str] = {
@@ -49,6 +62,18 @@ _LAZY: dict[str, str] = {
     "Topology": "embshard_dist.planner.topology",
     "get_qcomm_codecs": "embshard_dist.comm.qcomms",
     "get_qcomm_codecs_registry": "embshard_dist.comm.qcomms",
+    "DataParallelWrapper": "embshard_dist.dmp.dense",
+    "DefaultDataParallelWrapper": "embshard_dist.dmp.dense",
+    "apply_to_all": "embshard_dist.sharded.plan_helpers",
+    "column_wise": "embshard_dist.sharded.plan_helpers",
+    "construct_module_sharding_plan": "embshard_dist.sharded.plan_helpers",
+    "data_parallel": "embshard_dist.sharded.plan_helpers",
+    "get_default_sharders": "embshard_dist.sharded.plan_helpers",
+    "grid_shard": "embshard_dist.sharded.plan_helpers",
+    "row_wise": "embshard_dist.sharded.plan_helpers",
+    "table_column_wise": "embshard_dist.sharded.plan_helpers",
+    "table_row_wise": "embshard_dist.sharded.plan_helpers",
+    "table_wise": "embshard_dist.sharded.plan_helpers",
 }
 
 __all__ = [
@@ -66,6 +91,18 @@ __all__ = [
     "Topology",
     "get_qcomm_codecs",
     "get_qcomm_codecs_registry",
+    "DataParallelWrapper",
+    "DefaultDataParallelWrapper",
+    "apply_to_all",
+    "column_wise",
+    "construct_module_sharding_plan",
+    "data_parallel",
+    "get_default_sharders",
+    "grid_shard",
+    "row_wise",
+    "table_column_wise",
+    "table_row_wise",
+    "table_wise",
 ]
 
 

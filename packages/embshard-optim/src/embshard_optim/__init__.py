@@ -9,6 +9,12 @@ from embshard_optim.clipping import GradientClipping, GradientClippingOptimizer
 from embshard_optim.combined import CombinedOptimizer
 from embshard_optim.embedding_fused import EmbeddingFusedOptimizer, FusedKernelLike, TableShardInfo
 from embshard_optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from embshard_optim.in_backward import (
+    apply_optimizer_in_backward,
+    in_backward_optimizer,
+    in_backward_optimizer_filter,
+    in_backward_spec,
+)
 from embshard_optim.keyed import (
     KeyedOptimizer,
     KeyedOptimizerWrapper,
@@ -60,4 +66,8 @@ __all__ = [
     "SparseUpdateRule",
     "aggregate",
     "rule_for",
+    "apply_optimizer_in_backward",
+    "in_backward_optimizer",
+    "in_backward_optimizer_filter",
+    "in_backward_spec",
 ]

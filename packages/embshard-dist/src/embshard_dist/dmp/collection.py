@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from embshard_dist.dmp.dense import DenseOptimizerFactory
+from embshard_dist.dmp.dense import DataParallelWrapper, DenseOptimizerFactory
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.dmp.replicas import ReplicaSync
 from embshard_optim.specs import OptimizerSpec
@@ -128,6 +128,8 @@ class DMPCollection(DistributedModelParallel):
         use_inter_host_allreduce: bool = False,
         env: ShardingEnv2D | None = None,
         init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper: DataParallelWrapper | None = None,
     ) -> None:
         if env is None:
             env = create_2d_env(
@@ -151,6 +153,8 @@ class DMPCollection(DistributedModelParallel):
             optimizer=optimizer,
             dense_optimizer=dense_optimizer,
             init_data_parallel=init_data_parallel,
+            init_parameters=init_parameters,
+            data_parallel_wrapper=data_parallel_wrapper,
         )
         self._env2d = env
         self._replica_sync = ReplicaSync(

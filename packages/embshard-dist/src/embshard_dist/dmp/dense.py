@@ -6,8 +6,9 @@ sub-modules' parameters or buffers, and broadcasts rank 0's dense parameters at 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import abc
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +18,8 @@ from embshard_optim.specs import OptimizerSpec, OptimType, WeightDecayMode
 from embshard_types.env import ShardingEnv
 
 __all__ = [
+    "DataParallelWrapper",
+    "DefaultDataParallelWrapper",
     "DenseOptimizerFactory",
     "default_dense_optimizer",
     "dense_named_parameters",
@@ -32,12 +35,24 @@ def _inside(name: str, sharded: set[str]) -> bool:
 
 
 def dense_named_parameters(model: nn.Module, sharded: set[str]) -> dict[str, nn.Parameter]:
-    """Name -> parameter for the trainable parameters outside the sharded sub-modules."""
+    """Name -> parameter for the trainable parameters outside the sharded sub-modules, less
+    those stepped in the backward (``apply_optimizer_in_backward``)."""
     return {
         name: p
         for name, p in model.named_parameters()
-        if p.requires_grad and not _inside(name, sharded)
+        if p.requires_grad
+        and not _inside(name, sharded)
+        and not hasattr(p, "_in_backward_optimizers")
     }
+
+
+def meta_dense_names(model: nn.Module, sharded: set[str]) -> list[str]:
+    """Names of the parameters and buffers outside ``sharded`` still on the ``meta`` device."""
+    return [
+        name
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+        if t.is_meta and not _inside(name, sharded)
+    ]
 
 
 def wrap_data_parallel(
@@ -48,7 +63,10 @@ def wrap_data_parallel(
     Returns ``model`` itself when it has no trainable dense parameter (DDP refuses such a
     model) or no process group; ``ddp_kwargs`` override the defaults.
     """
-    if env.process_group is None or not dense_named_parameters(model, sharded):
+    trainable = [
+        p for name, p in model.named_parameters() if p.requires_grad and not _inside(name, sharded)
+    ]
+    if env.process_group is None or not trainable:
         return model
     ignore = [
         name
@@ -62,6 +80,37 @@ def wrap_data_parallel(
     return DistributedDataParallel(
         model, device_ids=device_ids, process_group=env.process_group, **options
     )
+
+
+class DataParallelWrapper(abc.ABC):
+    """How ``DistributedModelParallel`` makes its dense rest data-parallel (TorchRec's interface).
+
+    ``wrap`` sets ``dmp._dmp_wrapped_module`` to the wrapped model, as TorchRec's wrappers do.
+    """
+
+    @abc.abstractmethod
+    def wrap(self, dmp: nn.Module, env: ShardingEnv, device: torch.device) -> None:
+        """Wrap ``dmp.module`` (the model with its sharded sub-modules) for data parallelism."""
+
+
+class DefaultDataParallelWrapper(DataParallelWrapper):
+    """``DistributedDataParallel`` over the dense rest, skipping the sharded sub-modules.
+
+    Args:
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``,
+            ``static_graph``, ``find_unused_parameters``), over embshard's defaults.
+    """
+
+    def __init__(self, **ddp_kwargs: Any) -> None:
+        self._ddp_kwargs = ddp_kwargs
+
+    def wrap(self, dmp: nn.Module, env: ShardingEnv, device: torch.device) -> None:
+        target: Any = dmp  # a DistributedModelParallel (not imported: it imports this module)
+        sharded = set(cast(Mapping[str, nn.Module], target.sharded_modules))
+        model = cast(nn.Module, target.module)
+        target._dmp_wrapped_module = wrap_data_parallel(
+            model, sharded, env, device, **self._ddp_kwargs
+        )
 
 
 def default_dense_optimizer(

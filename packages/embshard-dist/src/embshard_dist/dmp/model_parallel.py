@@ -1,8 +1,10 @@
 """DistributedModelParallel: a model with its embedding modules sharded and the rest data-parallel.
 
-In order: plan (given, or :func:`~embshard_dist.planner.auto.default_plan`), check it on every
-rank before any collective (:mod:`embshard_dist.sharded.plan_checks`), check that ranks agree on
-plan and source weights, shard, then materialise and wrap the dense rest in DDP. A step on N
+In order: read the optimizers declared with ``apply_optimizer_in_backward``
+(:mod:`embshard_dist.dmp.in_backward`), plan (given, or
+:func:`~embshard_dist.planner.auto.default_plan`), check it on every rank before any collective
+(:mod:`embshard_dist.sharded.plan_checks`), check that ranks agree on plan and source weights,
+shard, then materialise the dense rest and make it data-parallel (DDP by default). A step on N
 ranks equals the unsharded model on the global batch with loss (1/N) sum_i L_i.
 """
 
@@ -17,17 +19,25 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from embshard_dist.dmp.dense import (
+    DataParallelWrapper,
+    DefaultDataParallelWrapper,
     DenseOptimizerFactory,
     dense_named_parameters,
     dense_optimizer_factory,
-    wrap_data_parallel,
+    meta_dense_names,
+)
+from embshard_dist.dmp.in_backward import (
+    check_declared_against,
+    declared_optimizers,
+    sharders_with_declared,
 )
 from embshard_dist.dmp.weights import check_same_source_weights, materialize_dense, move_dense
 from embshard_dist.planner.agreement import check_plan_agreement
-from embshard_dist.planner.auto import TopologySource, default_plan
+from embshard_dist.planner.auto import TopologySource, default_plan, runtime_topology
 from embshard_dist.sharded.plan_checks import check_plan
 from embshard_dist.sharded.shardable import table_shapes
 from embshard_dist.sharded.sharder import CollectionSharder
+from embshard_dist.strategies.nodes import resolve_local_world_size
 from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_optim.combined import CombinedOptimizer
 from embshard_optim.fused import EmptyFusedOptimizer
@@ -47,20 +57,36 @@ DEFAULT_EMBEDDING_OPTIMIZER = OptimizerSpec(OptimType.SGD, learning_rate=0.01)
 class DistributedModelParallel(nn.Module):
     """A model whose embedding modules are sharded across ranks and whose rest is data-parallel.
 
+    The arguments up to ``data_parallel_wrapper`` are TorchRec's, in TorchRec's order.
+
     Args:
         module: the model, on ``meta``, the CPU or a GPU (same weights on every rank).
+        env: the ranks to shard over (default: ``torch.distributed``'s default group).
         device: the compute device (default: this rank's current GPU under NCCL, else CPU).
+        plan: default: planned here by the cost-based planner.
+        sharders: default: embshard's collection sharders, given the embedding optimizer.
+        init_data_parallel: wrap the dense rest now (else call :meth:`init_data_parallel`).
+        init_parameters: give dense parameters left on ``meta`` storage and initialise them
+            (``reset_parameters()``); ``False`` leaves them on ``meta``.
+        data_parallel_wrapper: how the dense rest is made data-parallel (default:
+            :class:`~embshard_dist.dmp.dense.DefaultDataParallelWrapper`, DDP).
         optimizer: the embedding optimizer (an ``OptimizerSpec`` or a name); default: the one
-            the model's collections were built with, else :data:`DEFAULT_EMBEDDING_OPTIMIZER`.
+            declared with ``apply_optimizer_in_backward`` on the tables, else the one the
+            collections were built with, else :data:`DEFAULT_EMBEDDING_OPTIMIZER`.
         dense_optimizer: a ``torch.optim`` class, a factory ``params -> optimizer``, or
             ``None`` for the torch optimizer of the embedding optimizer's kind.
         qcomm_codecs_registry: codecs for the default sharders only.
         topology: what the default plan is made for: a ``Topology``, or the path of a file
             written by ``embshard calibrate``.
+        local_world_size: ranks per node, for the default sharders and plan (default:
+            ``LOCAL_WORLD_SIZE``, else one node).
 
     Raises:
-        ValueError: the plan does not fit, ranks disagree on plan or source weights, both
-            ``sharders`` and ``qcomm_codecs_registry`` are given, or no plan fits the tables.
+        ValueError: the plan does not fit, ranks disagree on plan or source weights, an
+            in-backward optimizer that cannot be fused or that disagrees with ``optimizer`` or
+            the sharders', options meant for the default sharders given with your own
+            sharders, or no plan fits the tables.
+        RuntimeError: neither ``torch.distributed`` nor ``env`` gives a process group.
         CollectiveError: a peer died or hung during the checks or the sharding.
     """
 
@@ -71,31 +97,63 @@ class DistributedModelParallel(nn.Module):
         device: torch.device | str | None = None,
         plan: ShardingPlan | None = None,
         sharders: Sequence[ModuleSharder[Any]] | None = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper: DataParallelWrapper | None = None,
         *,
         optimizer: OptimizerSpec | str | None = None,
         dense_optimizer: type[torch.optim.Optimizer] | DenseOptimizerFactory | None = None,
-        init_data_parallel: bool = True,
         output_dtensor: bool = False,
         qcomm_codecs_registry: QCommCodecsRegistry | None = None,
         topology: TopologySource | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__()
-        if sharders is not None and qcomm_codecs_registry is not None:
-            raise ValueError(
-                "DistributedModelParallel: qcomm_codecs_registry only configures the default "
-                "sharders; you passed your own sharders, so give the registry to them "
-                "(EmbeddingBagCollectionSharder(qcomm_codecs_registry=...)) and drop it here"
+        for what, noun, value in (
+            ("qcomm_codecs_registry", "the registry", qcomm_codecs_registry),
+            ("local_world_size", "the node size", local_world_size),
+        ):
+            if sharders is not None and value is not None:
+                raise ValueError(
+                    f"DistributedModelParallel: {what} only configures the default sharders; "
+                    f"you passed your own sharders, so give {noun} to them "
+                    f"(EmbeddingBagCollectionSharder({what}=...)) and drop it here"
+                )
+        if data_parallel_wrapper is not None and not isinstance(
+            data_parallel_wrapper, DataParallelWrapper
+        ):
+            raise TypeError(
+                "data_parallel_wrapper must be a DataParallelWrapper (e.g. "
+                f"DefaultDataParallelWrapper(bucket_cap_mb=...)), got {data_parallel_wrapper!r}"
             )
         self._env = _resolve_env(env, output_dtensor)
         self._device = _resolve_device(device, self._env)
-        self._spec = _resolve_spec(optimizer, module)
+        if local_world_size is not None:
+            resolve_local_world_size(self._env.world_size, local_world_size)
+        probe = (
+            list(sharders)
+            if sharders is not None
+            else _default_sharders(DEFAULT_EMBEDDING_OPTIMIZER, None, None)
+        )
+        declared = declared_optimizers(module, probe)
+        self._spec = _resolve_spec(optimizer, module, declared)
         self._sharders = (
             list(sharders)
             if sharders is not None
-            else _default_sharders(self._spec, qcomm_codecs_registry)
+            else _default_sharders(self._spec, qcomm_codecs_registry, local_world_size)
+        )
+        by_path = sharders_with_declared(
+            module, self._sharders, declared, user_given=sharders is not None
         )
         self._dense_factory = dense_optimizer_factory(dense_optimizer, self._spec)
         if plan is None:
+            if local_world_size is not None:
+                topology = runtime_topology(
+                    self._env.world_size,
+                    self._device.type,
+                    local_world_size=local_world_size,
+                    topology=topology,
+                )
             plan = default_plan(
                 module,
                 self._sharders,
@@ -105,6 +163,7 @@ class DistributedModelParallel(nn.Module):
                 topology=topology,
             )
         targets = check_plan(module, plan, self._sharders, self._env, self._device.type)
+        targets = {path: (m, by_path.get(path, sharder)) for path, (m, sharder) in targets.items()}
         pg = self._env.process_group
         if pg is not None:
             check_plan_agreement(plan, pg)
@@ -122,22 +181,41 @@ class DistributedModelParallel(nn.Module):
             module = _swap(module, path, sharded)
             self._sharded[path] = sharded
         paths = set(self._sharded)
-        materialize_dense(module, self._device, paths)
+        if init_parameters:
+            materialize_dense(module, self._device, paths)
         move_dense(module, self._device, paths)
         self._dense_optim: KeyedOptimizer | None = None
         self._combined: KeyedOptimizer | None = None
         self._fused: KeyedOptimizer | None = None
         self._dmp_wrapped_module: nn.Module = module
+        self._data_parallel_wrapper = data_parallel_wrapper or DefaultDataParallelWrapper()
         if init_data_parallel:
             self.init_data_parallel()
 
     def init_data_parallel(self, **ddp_kwargs: Any) -> None:
-        """Wrap the dense rest in ``DistributedDataParallel`` (once; later calls do nothing)."""
+        """Make the dense rest data-parallel (once; later calls do nothing).
+
+        Args:
+            **ddp_kwargs: given: ``DistributedDataParallel`` with these options instead of the
+                ``data_parallel_wrapper``.
+
+        Raises:
+            ValueError: dense parameters are still on ``meta`` (``init_parameters=False``).
+        """
         if self._dmp_wrapped_module is not self.module:
             return
-        self._dmp_wrapped_module = wrap_data_parallel(
-            self.module, set(self._sharded), self._env, self._device, **ddp_kwargs
+        meta = meta_dense_names(self.module, set(self._sharded))
+        if meta:
+            raise ValueError(
+                f"DistributedModelParallel: dense parameters {meta[:5]} are still on the meta "
+                "device (init_parameters=False), so they cannot be made data-parallel; "
+                "materialise them (e.g. load a checkpoint into them), then call "
+                "init_data_parallel(), or construct with init_parameters=True"
+            )
+        wrapper = (
+            DefaultDataParallelWrapper(**ddp_kwargs) if ddp_kwargs else self._data_parallel_wrapper
         )
+        wrapper.wrap(self, self._env, self._device)
 
     @property
     def module(self) -> nn.Module:
@@ -265,19 +343,40 @@ def _owner(key: str, sharded: Mapping[str, nn.Module]) -> str | None:
     return None
 
 
+_ONE_PROCESS = (
+    "for one process, start a one-rank group first: "
+    "torch.distributed.init_process_group('gloo', store=torch.distributed.HashStore(), "
+    "rank=0, world_size=1)"
+)
+
+
 def _resolve_env(env: ShardingEnv | None, output_dtensor: bool) -> ShardingEnv:
     if env is None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "DistributedModelParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group first (or launch with `embshard train` / "
-                "torchrun), or pass env=ShardingEnv.from_local(1, 0) for a single process"
+                f"torchrun); {_ONE_PROCESS}"
             )
         world = dist.group.WORLD
         assert world is not None
         return ShardingEnv.from_process_group(world, output_dtensor)
     if not isinstance(env, ShardingEnv):
         raise TypeError(f"env must be a ShardingEnv, got {type(env).__name__}")
+    if env.process_group is None and not dist.is_initialized():
+        raise RuntimeError(
+            f"DistributedModelParallel: {env!r} has no process group and torch.distributed is "
+            "not initialised, but sharded collections exchange their inputs and outputs "
+            f"through a process group even on one rank; {_ONE_PROCESS}, then pass no env "
+            "(ShardingEnv.from_local is for planning and inference)"
+        )
+    if env.process_group is None and dist.get_world_size() != env.world_size:
+        raise ValueError(
+            f"DistributedModelParallel: {env!r} has no process group, so the sharded "
+            f"collections would use torch.distributed's default group of "
+            f"{dist.get_world_size()} ranks, not {env.world_size}; pass no env, or "
+            "ShardingEnv.from_process_group(group) for a group of the ranks to shard over"
+        )
     if output_dtensor:
         env.output_dtensor = True
     return env
@@ -292,7 +391,13 @@ def _resolve_device(device: torch.device | str | None, env: ShardingEnv) -> torc
     return torch.device("cpu")
 
 
-def _resolve_spec(optimizer: OptimizerSpec | str | None, model: nn.Module) -> OptimizerSpec:
+def _resolve_spec(
+    optimizer: OptimizerSpec | str | None,
+    model: nn.Module,
+    declared: Mapping[str, OptimizerSpec],
+) -> OptimizerSpec:
+    if optimizer is None and declared:
+        return next(iter(declared.values()))
     if optimizer is None:
         # The first fused collection's optimizer, as the sharded collection itself would take.
         for m in model.modules():
@@ -302,23 +407,26 @@ def _resolve_spec(optimizer: OptimizerSpec | str | None, model: nn.Module) -> Op
                     return cast(OptimizerSpec, table.fused_params.optimizer)
         return DEFAULT_EMBEDDING_OPTIMIZER
     if isinstance(optimizer, str):
-        return OptimizerSpec.from_name(optimizer)
+        optimizer = OptimizerSpec.from_name(optimizer)
     if not isinstance(optimizer, OptimizerSpec):
         raise TypeError(
             f"optimizer must be an OptimizerSpec or an optimizer name, got {optimizer!r}; build "
             "one with OptimizerSpec.from_name(...) or OptimizerSpec.from_torch(...)"
         )
+    check_declared_against(declared, optimizer, "DistributedModelParallel's optimizer=")
     return optimizer
 
 
 def _default_sharders(
-    spec: OptimizerSpec, registry: QCommCodecsRegistry | None
+    spec: OptimizerSpec, registry: QCommCodecsRegistry | None, local_world_size: int | None
 ) -> list[ModuleSharder[Any]]:
     from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
     from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 
     return [
-        EmbeddingBagCollectionSharder(optimizer=spec, qcomm_codecs_registry=registry),
+        EmbeddingBagCollectionSharder(
+            optimizer=spec, qcomm_codecs_registry=registry, local_world_size=local_world_size
+        ),
         EmbeddingCollectionSharder(optimizer=spec, qcomm_codecs_registry=registry),
     ]
 

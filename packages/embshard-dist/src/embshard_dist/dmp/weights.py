@@ -122,6 +122,7 @@ def materialize_dense(model: nn.Module, device: torch.device, sharded: set[str])
 
 
 def move_dense(model: nn.Module, device: torch.device, sharded: set[str]) -> None:
-    """Move the parameters and buffers outside ``sharded`` to ``device`` (kept as they are)."""
+    """Move the parameters and buffers outside ``sharded`` to ``device`` (kept as they are);
+    those still on ``meta`` stay there."""
     for module in _dense_modules(model, sharded):
-        module._apply(lambda t: t.to(device), recurse=False)
+        module._apply(lambda t: t if t.is_meta else t.to(device), recurse=False)
