@@ -1,7 +1,9 @@
 """``embshard calibrate``: measure this machine and write the planner's topology file.
 
 See :mod:`embshard_dist.planner.calibration.calibrate` for what is measured. Options are checked
-before any process starts. Exit status: 0 with the file written, 2 for bad options or when the
+before any process starts. Exit status: 0 with the file written; 1 when the multi-process
+measurement fails (nothing written; with ``--allow-defaults`` the default comms figures are
+written instead, with a warning on stderr, and the status is 0); 2 for bad options or when the
 file cannot be written.
 """
 
@@ -10,11 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from embshard_dist.cli.options import check_divides, positive_int
-from embshard_dist.planner.calibration.calibrate import CALIBRATION_BACKENDS, calibrate
+from embshard_dist.planner.calibration.calibrate import (
+    CALIBRATION_BACKENDS,
+    CalibrationError,
+    CalibrationWarning,
+    calibrate,
+)
 from embshard_dist.planner.calibration.probes import CALIBRATION_REPS
 
 
@@ -38,19 +46,37 @@ def run(argv: Sequence[str]) -> int:
         default=CALIBRATION_REPS,
         help="timed rounds (more: steadier on a busy host)",
     )
+    p.add_argument(
+        "--allow-defaults",
+        action="store_true",
+        help="if the multi-process measurement fails, write the default comms figures "
+        "(with a warning) instead of failing",
+    )
     args = p.parse_args(argv)
     check_divides(p, args.world_size, args.local_world_size)
     out_dir = Path(args.out).resolve().parent
     if not out_dir.is_dir():
         p.error(f"--out: folder {str(out_dir)!r} does not exist; create it or write elsewhere")
-    topology = calibrate(
-        world_size=args.world_size,
-        local_world_size=args.local_world_size,
-        backend=args.backend,
-        threads=args.threads,
-        comms=not args.no_comms,
-        reps=args.reps,
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CalibrationWarning)
+        try:
+            topology = calibrate(
+                world_size=args.world_size,
+                local_world_size=args.local_world_size,
+                backend=args.backend,
+                threads=args.threads,
+                comms=not args.no_comms,
+                reps=args.reps,
+                allow_defaults=args.allow_defaults,
+            )
+        except CalibrationError as e:
+            print(f"embshard calibrate: error: {e}; nothing written", file=sys.stderr)
+            return 1
+    for w in caught:
+        if issubclass(w.category, CalibrationWarning):
+            print(f"embshard calibrate: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     try:
         topology.save(args.out)
     except OSError as e:

@@ -2,10 +2,11 @@
 
 In order: read the optimizers declared with ``apply_optimizer_in_backward``
 (:mod:`embshard_dist.dmp.in_backward`), plan (given, or
-:func:`~embshard_dist.planner.auto.default_plan`), check it on every rank before any collective
-(:mod:`embshard_dist.sharded.plan_checks`), check that ranks agree on plan and source weights,
-shard, then materialise the dense rest and make it data-parallel (DDP by default). A step on N
-ranks equals the unsharded model on the global batch with loss (1/N) sum_i L_i.
+:func:`~embshard_dist.planner.auto.default_plan`), check it on every rank and agree on the
+verdict and the plan in one small collective (:mod:`embshard_dist.planner.agreement`: a plan
+refused on any rank raises the same error on every rank), check that ranks agree on source
+weights, shard, then materialise the dense rest and make it data-parallel (DDP by default).
+A step on N ranks equals the unsharded model on the global batch with loss (1/N) sum_i L_i.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from embshard_dist.dmp.in_backward import (
     sharders_with_declared,
 )
 from embshard_dist.dmp.weights import check_same_source_weights, materialize_dense, move_dense
-from embshard_dist.planner.agreement import check_plan_agreement
+from embshard_dist.planner.agreement import agree_on_plan
 from embshard_dist.planner.auto import TopologySource, default_plan, runtime_topology
 from embshard_dist.sharded.plan_checks import check_plan
 from embshard_dist.sharded.shardable import table_shapes
@@ -162,11 +163,10 @@ class DistributedModelParallel(nn.Module):
                 optimizer=self._spec,
                 topology=topology,
             )
-        targets = check_plan(module, plan, self._sharders, self._env, self._device.type)
+        targets = _checked_plan(module, plan, self._sharders, self._env, self._device.type)
         targets = {path: (m, by_path.get(path, sharder)) for path, (m, sharder) in targets.items()}
         pg = self._env.process_group
         if pg is not None:
-            check_plan_agreement(plan, pg)
             sources = {path: m for path, (m, _) in targets.items()}
             check_same_source_weights(sources, pg, table_of=_table_namer(targets))
         self._plan = plan
@@ -348,6 +348,28 @@ _ONE_PROCESS = (
     "torch.distributed.init_process_group('gloo', store=torch.distributed.HashStore(), "
     "rank=0, world_size=1)"
 )
+
+
+def _checked_plan(
+    module: nn.Module,
+    plan: ShardingPlan,
+    sharders: Sequence[ModuleSharder[Any]],
+    env: ShardingEnv,
+    device_type: str,
+) -> dict[str, tuple[nn.Module, ModuleSharder[Any]]]:
+    """``check_plan``'s targets, once every rank's check passed on an equal plan.
+
+    With a process group, each rank checks its own plan and the ranks agree in one small
+    all-gather, so a plan refused on any rank (or plans that differ) raises the same
+    ``ValueError`` on every rank before any module is built.
+    """
+
+    def check() -> dict[str, tuple[nn.Module, ModuleSharder[Any]]]:
+        return check_plan(module, plan, sharders, env, device_type)
+
+    if env.process_group is None:
+        return check()
+    return agree_on_plan(plan, check, env.process_group)
 
 
 def _resolve_env(env: ShardingEnv | None, output_dtensor: bool) -> ShardingEnv:

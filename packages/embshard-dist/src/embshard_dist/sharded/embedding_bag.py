@@ -45,8 +45,8 @@ from embshard_dist.strategies.twcw import TwCwSharding
 from embshard_dist.strategies.twrw import TwRwSharding
 from embshard_dist.strategies.variable_batch import (
     VariableBatchKeyedTensorAwaitable,
-    check_variable_batch,
     variable_batch_output_dists,
+    variable_batch_verdict,
 )
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_kernels.fused_params import FusedParams
@@ -174,8 +174,7 @@ class ShardedEmbeddingBagCollection(
         """
         (given,) = input
         features, status = self._gate.check(given, "ShardedEmbeddingBagCollection")
-        if features.variable_stride_per_key():
-            check_variable_batch(features, self._keys, self._shardings)
+        features, status = variable_batch_verdict(features, self._keys, self._shardings, status)
         for sctx in ctx.sharding_contexts:
             sctx.input_status = status
             if features.variable_stride_per_key():

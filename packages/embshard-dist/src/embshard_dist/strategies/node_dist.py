@@ -64,7 +64,12 @@ class NodeRowWiseInputDist(nn.Module):
         boundaries: per entry of ``features``, its padded row boundaries.
         wire: per rank, the positions in ``features`` its lookup takes, in its order.
         keep_lengths: record the bag sizes for MEAN pooling.
+
+    The all-to-all's first exchange carries ``ctx.input_status`` (see ``carries_input_status``),
+    so a batch refused on any rank makes every rank raise the same error before phase 2.
     """
+
+    carries_input_status = True
 
     def __init__(
         self,
@@ -107,7 +112,7 @@ class NodeRowWiseInputDist(nn.Module):
             ctx.bag_lengths = selected.lengths().view(self._count, selected.stride())
         bucketized, _ = bucketize_kjt(selected, self._boundaries)
         routed = bucketized.permute(self._permute)
-        started = self._all_to_all(to_wire(routed))
+        started = self._all_to_all(to_wire(routed), ctx.input_status)
         return ReceivedFeatures(started, ctx, selected.stride(), self._world)
 
 

@@ -3,18 +3,22 @@
 Output dists for the variable-batch layout of DP, TW, CW and RW; every feature's bags are then
 gathered into the batch's rows with its ``inverse_indices`` (required), so the output has one
 row per sample. Training equals the unsharded collection's on the full batch to float rounding;
-every rank must pass the same kind of batch.
+every rank must pass the same kind of batch. A variable batch that cannot be served is refused
+on every rank alike (:func:`variable_batch_verdict` adds its reason to the input status the KJT
+all-to-all carries); :func:`check_variable_batch` is the same check on this rank alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from enum import IntEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from embshard_dist.comm.kjt_all_to_all import STATUS_WORDS, InputStatus
 from embshard_dist.comm.reduce_scatter import PooledEmbeddingsReduceScatter
 from embshard_dist.comm.sequence_all_to_all import SequenceEmbeddingsAllToAll
 from embshard_dist.strategies.base import BagTable, ShardingStepContext, scale_grad
@@ -28,7 +32,9 @@ from embshard_types.vocab import CommOp, PoolingType, ShardingType
 __all__ = [
     "VARIABLE_BATCH_SHARDING_TYPES",
     "VariableBatchKeyedTensorAwaitable",
+    "VariableBatchError",
     "check_variable_batch",
+    "variable_batch_verdict",
     "variable_batch_output_dists",
 ]
 
@@ -40,43 +46,152 @@ VARIABLE_BATCH_SHARDING_TYPES = (
 )
 
 
+class VariableBatchError(ValueError):
+    """A batch whose sizes vary per feature cannot be served by this collection.
+
+    Attributes:
+        rank: the rank whose batch it was (``None`` when checked on one rank alone).
+    """
+
+    def __init__(self, message: str, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class _Refusal(IntEnum):
+    """Why a variable batch is refused; codes above every ``embshard_types`` ``Problem`` code,
+    so they share the input status words with the input checks' problems."""
+
+    UNSUPPORTED_TYPES = 101
+    NO_INVERSE_INDICES = 102
+    INVERSE_MISSING_FEATURE = 103
+    INVERSE_OUT_OF_RANGE = 104
+
+
+_CODES = frozenset(int(r) for r in _Refusal)
+
+
 def check_variable_batch(
     features: KeyedJaggedTensor, keys: Sequence[str], shardings: Sequence[Any]
 ) -> None:
-    """Raise ``ValueError`` unless a variable-batch ``features`` can be served (no collective)."""
-    kinds = [s.sharding_type for s in shardings]
-    unsupported = [k.value for k in kinds if k not in VARIABLE_BATCH_SHARDING_TYPES]
-    if unsupported:
-        raise ValueError(
-            "the batch's sizes vary per feature, which sharding type(s) "
-            f"{sorted(set(unsupported))} of this collection do not support; use "
-            f"{[k.value for k in VARIABLE_BATCH_SHARDING_TYPES]} for its tables, or give every "
-            "feature the same batch size"
-        )
+    """Raise unless a variable-batch ``features`` can be served (no collective, this rank only).
+
+    Raises:
+        VariableBatchError: (a ``ValueError``) naming the feature and how to fix it.
+    """
+    words = _refusal(features, keys, shardings)
+    if words is not None:
+        raise VariableBatchError(_message(words, keys, shardings), None)
+
+
+def variable_batch_verdict(
+    features: KeyedJaggedTensor,
+    keys: Sequence[str],
+    shardings: Sequence[Any],
+    status: InputStatus,
+) -> tuple[KeyedJaggedTensor, InputStatus]:
+    """The batch to route and the verdict to send, with the variable-batch checks added.
+
+    Every rank calls this with the input checks' ``status`` (a variable batch or not): the
+    returned status builds, on every rank alike, the :class:`VariableBatchError` of any rank
+    whose variable batch cannot be served, so it travels in the KJT all-to-all's first exchange
+    like the input checks' verdict. A refused batch is replaced by an empty one with ``keys``.
+    """
+    combined = InputStatus(status.words, _error_builder(keys, shardings, status))
+    if status.words[0] or not features.variable_stride_per_key():
+        return features, combined
+    words = _refusal(features, keys, shardings)
+    if words is None:
+        return features, combined
+    return _empty_batch(features, keys), InputStatus(tuple(words), combined.error)
+
+
+def _error_builder(
+    keys: Sequence[str], shardings: Sequence[Any], status: InputStatus
+) -> Callable[[int, list[int]], Exception]:
+    names = list(keys)
+    kinds = list(shardings)
+
+    def error(rank: int, words: list[int]) -> Exception:
+        if words[0] in _CODES:
+            return VariableBatchError(
+                f"the input on rank {rank}: {_message(words, names, kinds)}", rank
+            )
+        return status.error(rank, words)
+
+    return error
+
+
+def _empty_batch(features: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJaggedTensor:
+    device = features.device()
+    return KeyedJaggedTensor(
+        list(keys),
+        torch.empty(0, dtype=torch.int64, device=device),
+        weights=None if features.weights_or_none() is None else torch.empty(0, device=device),
+        lengths=torch.empty(0, dtype=torch.int32, device=device),
+        stride=0,
+        length_per_key=[0] * len(keys),
+    )
+
+
+def _refusal(
+    features: KeyedJaggedTensor, keys: Sequence[str], shardings: Sequence[Any]
+) -> list[int] | None:
+    """The status words of the first reason ``features`` cannot be served, or ``None``."""
+    if any(s.sharding_type not in VARIABLE_BATCH_SHARDING_TYPES for s in shardings):
+        return _words(_Refusal.UNSUPPORTED_TYPES)
+    strides = dict(zip(features.keys(), features.stride_per_key(), strict=True))
     inverse = features.inverse_indices_or_none()
     if inverse is None:
-        raise ValueError(
-            "the batch's sizes vary per feature "
-            f"({dict(zip(features.keys(), features.stride_per_key(), strict=True))}) but it has "
-            "no inverse_indices; a pooled collection returns one row per sample of the batch, "
-            "so pass inverse_indices=(keys, tensor[len(keys), batch]) mapping each sample to "
-            "its feature's bag (as TorchRec requires)"
+        first = strides.get(keys[0], 0) if keys else 0
+        other = next((i for i, k in enumerate(keys) if strides.get(k, first) != first), 0)
+        return _words(_Refusal.NO_INVERSE_INDICES, other, strides.get(keys[other], 0), first)
+    inverse_keys, table = list(inverse[0]), inverse[1]
+    for i, key in enumerate(keys):
+        if key not in inverse_keys:
+            return _words(_Refusal.INVERSE_MISSING_FEATURE, i, len(inverse_keys))
+        row = table[inverse_keys.index(key)]
+        if row.numel():
+            low, high = int(row.min()), int(row.max())
+            if not 0 <= low <= high < strides[key]:
+                return _words(_Refusal.INVERSE_OUT_OF_RANGE, i, strides[key], low, high)
+    return None
+
+
+def _words(code: _Refusal, *fields: int) -> list[int]:
+    return [int(code), *fields, *[0] * (STATUS_WORDS - 1 - len(fields))]
+
+
+def _message(words: Sequence[int], keys: Sequence[str], shardings: Sequence[Any]) -> str:
+    """The refusal's text from its status words (the same on every rank)."""
+    code, feature, a, b, c, _ = words
+    allowed = [k.value for k in VARIABLE_BATCH_SHARDING_TYPES]
+    if code == _Refusal.UNSUPPORTED_TYPES:
+        kinds = {s.sharding_type.value for s in shardings}
+        return (
+            "the batch's sizes vary per feature, which sharding type(s) "
+            f"{sorted(kinds - set(allowed))} of this collection do not support; use {allowed} "
+            "for its tables, or give every feature the same batch size"
         )
-    inverse_keys, table = inverse
-    missing = [k for k in keys if k not in inverse_keys]
-    if missing:
-        raise ValueError(
-            f"the batch's inverse_indices have no row for feature {missing[0]!r}; they cover "
-            f"{list(inverse_keys)}"
+    if code == _Refusal.NO_INVERSE_INDICES:
+        sizes = f"feature {keys[0]!r}: {b}" + (
+            f", feature {keys[feature]!r}: {a}" if feature else ""
         )
-    strides = dict(zip(features.keys(), features.stride_per_key(), strict=True))
-    for key in keys:
-        row = table[list(inverse_keys).index(key)]
-        if row.numel() and not 0 <= int(row.min()) <= int(row.max()) < strides[key]:
-            raise ValueError(
-                f"feature {key!r}: inverse indices must lie in [0, {strides[key]}) (its batch "
-                f"size), got values in [{int(row.min())}, {int(row.max())}]"
-            )
+        return (
+            f"the batch's sizes vary per feature ({sizes}) but it has no inverse_indices; a "
+            "pooled collection returns one row per sample of the batch, so pass "
+            "inverse_indices=(keys, tensor[len(keys), batch]) mapping each sample to its "
+            "feature's bag (as TorchRec requires)"
+        )
+    if code == _Refusal.INVERSE_MISSING_FEATURE:
+        return (
+            f"the batch's inverse_indices have no row for feature {keys[feature]!r} (they cover "
+            f"{a} keys); give them a row for every feature of the collection"
+        )
+    return (
+        f"feature {keys[feature]!r}: inverse indices must lie in [0, {a}) (its batch size), got "
+        f"values in [{b}, {c}]"
+    )
 
 
 def _local_batches(ctx: ShardingStepContext, features: Sequence[str]) -> list[int]:

@@ -5,8 +5,10 @@ type's overheads on ``processes`` local processes at once, timed round-robin in 
 rounds. Cross-node bandwidth and CUDA-only kernels keep their fallback figures.
 
 Guarantees: every figure is a median of timed rounds after warm-up; the result is a valid
-``Topology`` whose ``source`` names the host and date; when the processes fail, kernels are
-measured in this process and ``source`` says comms kept the defaults.
+``Topology`` whose ``source`` names the host and date. When the processes fail,
+:class:`CalibrationError` is raised with their error, unless ``allow_defaults``: then kernels are
+measured in this process, comms keep the defaults, ``source`` says so and a
+:class:`CalibrationWarning` is issued.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from embshard_dist.planner.topology import KernelThroughput, Topology, default_t
 
 __all__ = [
     "CALIBRATION_BACKENDS",
+    "CalibrationError",
+    "CalibrationWarning",
     "calibrate",
     "measure_comms",
     "measure_kernels",
@@ -38,6 +42,14 @@ __all__ = [
 
 CALIBRATION_BACKENDS = ("gloo",)
 """Process-group backends the calibration runs on (its probes are CPU tensors)."""
+
+
+class CalibrationError(RuntimeError):
+    """The multi-process measurement failed; nothing was measured in its place."""
+
+
+class CalibrationWarning(UserWarning):
+    """The multi-process measurement failed and its figures were replaced by defaults."""
 
 
 def measure_memory_bw(reps: int = 7, sync: Callable[[], object] | None = None) -> float:
@@ -101,6 +113,7 @@ def calibrate(
     comms: bool = True,
     processes: int = 2,
     reps: int = CALIBRATION_REPS,
+    allow_defaults: bool = False,
 ) -> Topology:
     """Measure this machine and return its topology (CPU).
 
@@ -110,10 +123,14 @@ def calibrate(
             comms and sharding overheads keep the fallback's figures).
         processes: local processes measuring together (at least 2).
         reps: timed rounds of the probes (more: steadier figures on a busy host).
+        allow_defaults: when the processes fail, keep the fallback's comms and overhead
+            figures (with a :class:`CalibrationWarning`) instead of raising.
 
     Raises:
         ValueError: a count below 1, an unknown backend, or a node size not dividing
             ``world_size``, before anything is measured.
+        CalibrationError: the processes failed (their error, and how to go on), unless
+            ``allow_defaults``.
     """
     for name, value in (("threads", threads), ("processes", processes), ("reps", reps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -134,8 +151,21 @@ def calibrate(
         world = max(2, processes)
         try:
             found = run_calibration_ranks(backend, world=world, threads=threads, reps=reps)
-        except RuntimeError as e:
-            reason = str(e).strip().splitlines()[0][:200]
+        except (RuntimeError, OSError) as e:
+            reason = str(e).strip().splitlines()[0][:200] or type(e).__name__
+            advice = (
+                f"the collective measurement on {world} {backend} processes failed: {reason}. "
+                "Fix the cause and run again; or measure the kernels only (--no-comms / "
+                "comms=False); or keep the default comms and overhead figures "
+                "(--allow-defaults / allow_defaults=True)"
+            )
+            if not allow_defaults:
+                raise CalibrationError(advice) from e
+            warnings.warn(
+                f"{advice}; comms and sharding overheads keep their defaults",
+                CalibrationWarning,
+                stacklevel=2,
+            )
         else:
             a2a_bw, rs_bw = found["all_to_all_bw"], found["reduce_scatter_bw"]
             topo = replace(
