@@ -84,11 +84,16 @@ class _KernelCollection(nn.Module):
     _ATTR: ClassVar[str]
 
     def __init__(
-        self, tables: list[ShardedTableConfig], device: torch.device | str | None, backend: Backend
+        self,
+        tables: list[ShardedTableConfig],
+        configs: Sequence[BaseEmbeddingConfig],
+        device: torch.device | str | None,
+        backend: Backend,
     ) -> None:
         super().__init__()
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self._tables = tables
+        self._configs = list(configs)
         self._grouped = GroupedKernels(tables, backend=backend)
         self._fused_optim: KeyedOptimizer | None = None
         if dev.type == "meta":
@@ -125,11 +130,12 @@ class _KernelCollection(nn.Module):
         return next(iter(self._weights().values())).device
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Draw every table's weights uniformly from its init range, in config order."""
+        """Initialise every table in config order as TorchRec does: the config's ``init_fn(weight)``
+        when it has one, else uniform in ``[weight_init_min, weight_init_max]`` (from
+        ``generator``, default torch's global one)."""
         weights = self._weights()
-        with torch.no_grad():
-            for t in self._tables:
-                weights[t.name].uniform_(t.weight_init_min, t.weight_init_max, generator=generator)
+        for config in self._configs:
+            config.initialize(weights[config.name], generator=generator)
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
@@ -230,8 +236,7 @@ class EmbeddingBagCollection(_KernelCollection):
             compute_kernel=compute_kernel,
             fused_params=fused_params,
         )
-        super().__init__(configs, device, backend)
-        self._configs = list(tables)
+        super().__init__(configs, tables, device, backend)
         self._is_weighted = is_weighted
         self._keys = [f for t in configs for f in t.feature_names]
         dims = {f: t.cols for t in configs for f in t.feature_names}
@@ -246,7 +251,7 @@ class EmbeddingBagCollection(_KernelCollection):
             self._reorder = [(starts[f], dims[f]) for f in self._keys]
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return list(self._configs)
+        return cast(list[EmbeddingBagConfig], list(self._configs))
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -302,12 +307,11 @@ class EmbeddingCollection(_KernelCollection):
             compute_kernel=compute_kernel,
             fused_params=fused_params,
         )
-        super().__init__(configs, device, backend)
-        self._configs = list(tables)
+        super().__init__(configs, tables, device, backend)
         self._keys = [f for t in configs for f in t.feature_names]
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
-        return list(self._configs)
+        return cast(list[EmbeddingConfig], list(self._configs))
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """Per feature (config order), a JaggedTensor of its ids' rows with the input's lengths.

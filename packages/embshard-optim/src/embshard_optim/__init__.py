@@ -21,6 +21,7 @@ from embshard_optim.keyed import (
     MergedState,
     OptimizerWrapper,
 )
+from embshard_optim.rowwise_adagrad import RowWiseAdagrad
 from embshard_optim.sharded_state import (
     StateFormat,
     check_tiling,
@@ -58,6 +59,7 @@ __all__ = [
     "make_sharded_tensor",
     "make_dtensor",
     "make_mesh",
+    "RowWiseAdagrad",
     "WarmupPolicy",
     "WarmupStage",
     "WarmupOptimizer",

@@ -8,7 +8,6 @@ refused with an error naming the module, the table and the class: never ignored.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -119,9 +118,7 @@ def sharders_with_declared(
                 f"apply_optimizer_in_backward but the {type(sharder).__name__} passed in "
                 f"sharders= runs {_describe(own)}; declare the embedding optimizer one way"
             )
-        clone = copy.copy(sharder)
-        clone._optimizer = spec  # the sharder hands it to the sharded collection it builds
-        out[path] = clone
+        out[path] = sharder.with_optimizer(spec)
     return out
 
 

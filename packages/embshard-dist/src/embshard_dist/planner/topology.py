@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, InitVar, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -24,6 +24,7 @@ from embshard_dist.planner.speeds import (
     check_keys,
     check_positive,
 )
+from embshard_dist.strategies.nodes import resolve_local_world_size
 from embshard_types.vocab import ComputeKernel, ShardingType
 
 __all__ = [
@@ -84,10 +85,18 @@ def _kernel_key(key: ComputeKernel | str) -> str:
 class Topology:
     """Ranks, memory and speeds of the machine(s) a plan is made for.
 
+    ``Topology(world_size, compute_device)`` is the topology ``DistributedModelParallel`` plans
+    for when given none: ranks per node from ``LOCAL_WORLD_SIZE`` (else one node), this host's
+    memory shared by a node's ranks (CPU) or the GPU's memory (CUDA), and the device's default
+    speeds. Fields left out take those defaults; speeds given without ``reduce_scatter_bw`` /
+    ``sharding_overheads`` leave them unset (the given figures are used throughout).
+
     Args:
-        compute_device: ``"cpu"`` or ``"cuda"``.
-        local_world_size: ranks per node (default: ``world_size``, one node); must divide
-            ``world_size``.
+        compute_device: ``"cpu"`` or ``"cuda"``. Left out, it means ``"cpu"`` with embshard's
+            generic figures instead of the derived ones (one node, 16 GiB, uncalibrated speeds),
+            as before TorchRec's constructor was accepted; give it to plan as DMP does.
+        local_world_size: ranks per node (default: ``LOCAL_WORLD_SIZE``, else ``world_size``);
+            must divide ``world_size``.
         memory_per_rank: bytes of compute-device memory each rank may use.
         host_memory_per_rank: on CUDA, bytes of host memory per rank for UVM tables.
         reduce_scatter_bw: bandwidth of reduce-scatter / all-gather within a node, when it differs
@@ -97,31 +106,58 @@ class Topology:
         sharding_overheads: calibrated cost per sharding type value beyond its bytes; a missing
             type costs ``collective_latency_s`` per collective it issues.
         source: where the numbers come from (``"defaults"``, or the calibration's host/date).
+        hbm_cap, ddr_cap, hbm_mem_bw, ddr_mem_bw, intra_host_bw, inter_host_bw: TorchRec's
+            spellings, keyword only. Caps are bytes per rank (``hbm_cap``: GPU memory on CUDA;
+            ``ddr_cap``: host memory, the compute memory on CPU); bandwidths are TorchRec's bytes
+            per millisecond (converted to bytes per second). Give each figure one way. On the
+            CPU ``hbm_cap`` / ``hbm_mem_bw`` are unused, as in TorchRec.
+
+    Raises:
+        ValueError: an invalid value (naming the field), a figure given in both spellings, or
+            ``ddr_mem_bw`` on CUDA (no equivalent there).
     """
 
     world_size: int
-    compute_device: str = "cpu"
+    compute_device: str = None  # type: ignore[assignment]
     local_world_size: int | None = None
-    memory_per_rank: int = 16 * _GIB
-    host_memory_per_rank: int = 0
-    memory_bw: float = 11e9
-    intra_node_bw: float = 2e9
-    inter_node_bw: float = 1e9
+    # None fields below are derived in __post_init__ (see the class docstring).
+    memory_per_rank: int = None  # type: ignore[assignment]
+    host_memory_per_rank: int = None  # type: ignore[assignment]
+    memory_bw: float = None  # type: ignore[assignment]
+    intra_node_bw: float = None  # type: ignore[assignment]
+    inter_node_bw: float = None  # type: ignore[assignment]
     reduce_scatter_bw: float | None = None
-    collective_latency_s: float = 2e-4
-    kernels: Mapping[str, KernelThroughput] = field(
-        default_factory=lambda: MappingProxyType(dict(_CPU_KERNELS)), hash=False
-    )
-    sharding_overheads: Mapping[str, ShardingOverhead] = field(
-        default_factory=lambda: MappingProxyType({}), hash=False
-    )
-    source: str = "defaults"
+    collective_latency_s: float = None  # type: ignore[assignment]
+    kernels: Mapping[str, KernelThroughput] = field(default=None, hash=False)  # type: ignore[arg-type]
+    sharding_overheads: Mapping[str, ShardingOverhead] = field(default=None, hash=False)  # type: ignore[arg-type]
+    source: str = None  # type: ignore[assignment]
+    _: KW_ONLY
+    hbm_cap: InitVar[int | None] = None
+    ddr_cap: InitVar[int | None] = None
+    hbm_mem_bw: InitVar[float | None] = None
+    ddr_mem_bw: InitVar[float | None] = None
+    intra_host_bw: InitVar[float | None] = None
+    inter_host_bw: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        hbm_cap: int | None,
+        ddr_cap: int | None,
+        hbm_mem_bw: float | None,
+        ddr_mem_bw: float | None,
+        intra_host_bw: float | None,
+        inter_host_bw: float | None,
+    ) -> None:
         ws = self.world_size
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ValueError(f"Topology.world_size must be a positive int, got {ws!r}")
-        local = ws if self.local_world_size is None else self.local_world_size
+        generic = self.compute_device is None
+        if generic:
+            object.__setattr__(self, "compute_device", "cpu")
+        if self.local_world_size is None:
+            local = ws if generic else resolve_local_world_size(ws)
+        else:
+            local = self.local_world_size
         if isinstance(local, bool) or not isinstance(local, int) or local < 1 or ws % local:
             raise ValueError(
                 f"Topology.local_world_size must be a positive int dividing world_size {ws} "
@@ -132,6 +168,10 @@ class Topology:
             raise ValueError(
                 f"Topology.compute_device must be 'cpu' or 'cuda', got {self.compute_device!r}"
             )
+        self._take_torchrec_figures(
+            hbm_cap, ddr_cap, hbm_mem_bw, ddr_mem_bw, intra_host_bw, inter_host_bw
+        )
+        self._derive_defaults(local, generic)
         for name in ("memory_per_rank", "host_memory_per_rank"):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():
@@ -165,6 +205,78 @@ class Topology:
         object.__setattr__(self, "sharding_overheads", overheads)
         if not isinstance(self.source, str):
             raise TypeError(f"Topology.source must be a str, got {self.source!r}")
+
+    def _take_torchrec_figures(
+        self,
+        hbm_cap: int | None,
+        ddr_cap: int | None,
+        hbm_mem_bw: float | None,
+        ddr_mem_bw: float | None,
+        intra_host_bw: float | None,
+        inter_host_bw: float | None,
+    ) -> None:
+        """Set the fields TorchRec's arguments name (bandwidths: bytes/ms -> bytes/s).
+
+        As in TorchRec, ``hbm_cap`` and ``hbm_mem_bw`` are unused on the CPU (no GPU memory).
+        """
+        cuda = self.compute_device == "cuda"
+        if cuda and ddr_mem_bw is not None:
+            raise ValueError(
+                f"Topology: ddr_mem_bw={ddr_mem_bw!r} has no embshard equivalent on CUDA (host "
+                "memory speed enters through the fused_uvm kernels' throughput in kernels=); "
+                "drop it or calibrate with `embshard calibrate`"
+            )
+        memory = hbm_cap if cuda else ddr_cap
+        given: dict[str, Any] = {
+            "memory_per_rank": memory,
+            "host_memory_per_rank": ddr_cap if cuda else None,
+            "memory_bw": _per_second(hbm_mem_bw if cuda else ddr_mem_bw),
+            "intra_node_bw": _per_second(intra_host_bw),
+            "inter_node_bw": _per_second(inter_host_bw),
+        }
+        spelled = {
+            "memory_per_rank": "hbm_cap" if cuda else "ddr_cap",
+            "host_memory_per_rank": "ddr_cap",
+            "memory_bw": "hbm_mem_bw" if cuda else "ddr_mem_bw",
+            "intra_node_bw": "intra_host_bw",
+            "inter_node_bw": "inter_host_bw",
+        }
+        for field_name, value in given.items():
+            if value is None:
+                continue
+            if getattr(self, field_name) is not None:
+                raise ValueError(
+                    f"Topology: both {field_name} and TorchRec's {spelled[field_name]} are "
+                    "given; give one"
+                )
+            object.__setattr__(self, field_name, value)
+
+    def _derive_defaults(self, local: int, generic: bool) -> None:
+        """Fill the fields left at ``None`` as ``DistributedModelParallel`` derives them (or
+        with the generic CPU figures when ``compute_device`` was left out)."""
+        cuda = self.compute_device == "cuda"
+        if generic:
+            for name, value in _GENERIC_CPU.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, value)
+            return
+        if self.memory_per_rank is None:
+            memory = _cuda_memory_bytes() if cuda else _host_memory_bytes() // local
+            object.__setattr__(self, "memory_per_rank", memory)
+        if self.host_memory_per_rank is None:
+            host = _host_memory_bytes() // local if cuda else 0
+            object.__setattr__(self, "host_memory_per_rank", host)
+        defaults = _device_speeds(self.compute_device)
+        speeds_given = self.kernels is not None
+        links_given = self.intra_node_bw is not None
+        for name, value in defaults.items():
+            if getattr(self, name) is not None:
+                continue
+            if name == "sharding_overheads" and speeds_given:
+                value = MappingProxyType({})  # calibrated kernels: no reference overheads
+            elif name == "reduce_scatter_bw" and links_given:
+                continue  # follows the given intra_node_bw
+            object.__setattr__(self, name, value)
 
     @property
     def ranks_per_node(self) -> int:
@@ -321,43 +433,61 @@ def default_topology(
     local_world_size: int | None = None,
     memory_per_rank: int | None = None,
 ) -> Topology:
-    """The fallback topology when no calibration file is given.
+    """The fallback topology when no calibration file is given (see :class:`Topology`).
 
     On the CPU the ranks of a node share the host's memory and the speeds are a reference CPU
     host's; on CUDA the memory is the first visible GPU's and the speeds are typical of a
     current GPU with NVLink within a node. Calibrate for the machine at hand's own figures.
     """
-    local = world_size if local_world_size is None else local_world_size
-    host_share = _host_memory_bytes() // max(1, local if isinstance(local, int) else 1)
-    if compute_device == "cuda":
-        device_memory = memory_per_rank or _cuda_memory_bytes()
-        return Topology(
-            world_size=world_size,
-            compute_device="cuda",
-            local_world_size=local_world_size,
-            memory_per_rank=device_memory,
-            host_memory_per_rank=host_share,
-            memory_bw=3.0e12,
-            intra_node_bw=2.0e11,
-            inter_node_bw=2.5e10,
-            collective_latency_s=3e-5,
-            kernels=MappingProxyType(dict(_CUDA_KERNELS)),
-            source="defaults (typical GPU)",
-        )
     return Topology(
-        world_size=world_size,
-        compute_device=compute_device,
-        local_world_size=local_world_size,
-        memory_per_rank=memory_per_rank or host_share,
-        memory_bw=9.0e9,
-        intra_node_bw=0.91e9,
-        inter_node_bw=0.91e9,
-        reduce_scatter_bw=0.52e9,
-        collective_latency_s=1.5e-3,
-        kernels=MappingProxyType(dict(_REFERENCE_CPU_KERNELS)),
-        sharding_overheads=MappingProxyType(dict(_REFERENCE_CPU_OVERHEADS)),
-        source="defaults (2-core CPU reference host, calibrated with other jobs running)",
+        world_size,
+        compute_device,
+        local_world_size=world_size if local_world_size is None else local_world_size,
+        memory_per_rank=memory_per_rank or None,  # type: ignore[arg-type]
     )
+
+
+def _device_speeds(compute_device: str) -> dict[str, Any]:
+    """The speeds a topology takes for fields it is not given, per device."""
+    if compute_device == "cuda":
+        return {
+            "memory_bw": 3.0e12,
+            "intra_node_bw": 2.0e11,
+            "inter_node_bw": 2.5e10,
+            "reduce_scatter_bw": None,
+            "collective_latency_s": 3e-5,
+            "kernels": MappingProxyType(dict(_CUDA_KERNELS)),
+            "sharding_overheads": MappingProxyType({}),
+            "source": "defaults (typical GPU)",
+        }
+    return {
+        "memory_bw": 9.0e9,
+        "intra_node_bw": 0.91e9,
+        "inter_node_bw": 0.91e9,
+        "reduce_scatter_bw": 0.52e9,
+        "collective_latency_s": 1.5e-3,
+        "kernels": MappingProxyType(dict(_REFERENCE_CPU_KERNELS)),
+        "sharding_overheads": MappingProxyType(dict(_REFERENCE_CPU_OVERHEADS)),
+        "source": "defaults (2-core CPU reference host, calibrated with other jobs running)",
+    }
+
+
+_GENERIC_CPU: dict[str, Any] = {
+    "memory_per_rank": 16 * _GIB,
+    "host_memory_per_rank": 0,
+    "memory_bw": 11e9,
+    "intra_node_bw": 2e9,
+    "inter_node_bw": 1e9,
+    "collective_latency_s": 2e-4,
+    "kernels": MappingProxyType(dict(_CPU_KERNELS)),
+    "sharding_overheads": MappingProxyType({}),
+    "source": "defaults",
+}
+
+
+def _per_second(bytes_per_ms: float | None) -> float | None:
+    """TorchRec's bandwidths are bytes per millisecond; embshard's bytes per second."""
+    return None if bytes_per_ms is None else float(bytes_per_ms) * 1000.0
 
 
 def _cuda_memory_bytes() -> int:

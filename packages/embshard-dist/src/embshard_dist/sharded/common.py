@@ -175,8 +175,16 @@ class TableStates:
         module.register_load_state_dict_pre_hook(functools.partial(_load_tables, self))
 
     def save(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Put every table's entry into ``state_dict``, in config order, on every rank alike.
+
+        The entries go last in the module's block (it ends the dict when the post-hook runs),
+        wherever the module listed the tables it holds, so code that walks the keys in order
+        sees the same sequence on every rank, whichever tables a rank holds shards of.
+        """
         for name in self._tables:
-            state_dict[f"{prefix}{self._attr}.{name}.weight"] = self.entry(name)
+            key = f"{prefix}{self._attr}.{name}.weight"
+            state_dict.pop(key, None)
+            state_dict[key] = self.entry(name)
 
     def load(self, state_dict: dict[str, Any], prefix: str, missing_keys: list[str]) -> None:
         """Replace every table's entry by the part of it the local shard holds."""

@@ -6,6 +6,7 @@ before anything is built or any rank contacted, then ``build``s.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -119,6 +120,25 @@ class CollectionSharder(ModuleSharder[M]):
     @property
     def optimizer(self) -> OptimizerSpec | None:
         return self._optimizer
+
+    def with_optimizer(self, optimizer: OptimizerSpec | None) -> CollectionSharder[M]:
+        """A new sharder of the same class and options that fuses ``optimizer`` instead.
+
+        ``self`` is left unchanged (DMP gives each module the optimizer its tables declared
+        with ``apply_optimizer_in_backward`` this way).
+
+        Raises:
+            TypeError: ``optimizer`` is not an ``OptimizerSpec`` (or ``None``).
+        """
+        if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
+            raise TypeError(
+                f"{type(self).__name__}.with_optimizer takes an OptimizerSpec, got "
+                f"{type(optimizer).__name__}; build one with OptimizerSpec.from_torch(...)"
+            )
+        # A shallow copy keeps every option, including those of subclasses' constructors.
+        clone = copy.copy(self)
+        clone._optimizer = optimizer
+        return clone
 
     @property
     def fused_params(self) -> FusedParams | None:
