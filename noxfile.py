@@ -210,6 +210,18 @@ def plan_quality(session: nox.Session) -> None:
     session.run(str(python), "-m", "benchmarks.plan_quality.run", *session.posargs)
 
 
+@nox.session(venv_backend="none")
+def torchrec_parity(session: nox.Session) -> None:
+    """TorchRec 1.8's DLRM / DLRM_DCN and embshard's, built from the same seeds and sharded
+    table-wise and row-wise on 2 gloo processes, give the same forward (in the compare session's
+    environment). Arguments go to the driver, e.g. ``nox -s torchrec_parity -- --seed 3``. Run
+    ``nox -s compare -- --help`` once first to build that environment."""
+    python = Path(".nox/compare/bin/python")
+    if not python.exists():
+        session.error("run `uv run nox -s compare -- --help` first: it builds the environment")
+    session.run(str(python), "-m", "benchmarks.compare.parity", *session.posargs)
+
+
 # Where `nox -s build` puts the wheels and sdists, and the environments it installs them into.
 DIST = Path("dist")
 BUILD_ENVS = Path(".nox/build-envs")

@@ -20,7 +20,8 @@ from torch import Tensor
 from embshard_dist.data.synthetic import SyntheticClicks
 from embshard_dist.dmp.dense import default_dense_optimizer
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
-from embshard_dist.models.dlrm import DLRM, DLRMConfig
+from embshard_dist.models.demo import DemoConfig as DLRMConfig
+from embshard_dist.models.demo import DemoDLRM as DLRM
 from embshard_dist.planner.simple import SimplePlanner
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection

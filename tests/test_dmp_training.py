@@ -24,7 +24,8 @@ from embshard_dist.data.synthetic import SyntheticClicks
 from embshard_dist.dmp.dense import default_dense_optimizer
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.dmp.weights import tensor_checksum
-from embshard_dist.models.dlrm import DLRM, DLRMConfig
+from embshard_dist.models.demo import DemoConfig as DLRMConfig
+from embshard_dist.models.demo import DemoDLRM as DLRM
 from embshard_dist.planner.auto import runtime_topology
 from embshard_dist.planner.planner import EmbeddingShardingPlanner
 from embshard_dist.planner.simple import SimplePlanner

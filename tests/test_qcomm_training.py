@@ -40,7 +40,8 @@ from embshard_dist.comm import _exchange, reduce_scatter
 from embshard_dist.comm.qcomms import get_qcomm_codecs_registry
 from embshard_dist.data.synthetic import SyntheticClicks
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
-from embshard_dist.models.dlrm import DLRM, DLRMConfig
+from embshard_dist.models.demo import DemoConfig as DLRMConfig
+from embshard_dist.models.demo import DemoDLRM as DLRM
 from embshard_dist.planner.simple import SimplePlanner
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_optim.specs import OptimizerSpec

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from embshard_dist.models.dlrm import DLRM
+from embshard_dist.models.demo import DemoDLRM as DLRM
 from embshard_dist.planner.requests import parse_sharding_request
 from embshard_dist.planner.simple import SimplePlanner, shard_bytes
 from embshard_dist.sharded.shardable import TableShape, find_shardable_modules

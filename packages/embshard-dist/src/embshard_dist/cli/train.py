@@ -238,7 +238,7 @@ def refused_request(config: TrainConfig, world_size: int, local_world_size: int)
     if config.plan_json is not None:
         return None  # a plan file is checked against the model by DMP on every rank
     from embshard_dist.data.synthetic import SyntheticClicks
-    from embshard_dist.models.dlrm import DLRM
+    from embshard_dist.models.demo import DemoDLRM
     from embshard_dist.planner.planner import EmbeddingShardingPlanner
     from embshard_dist.planner.topology import Topology
     from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
@@ -252,7 +252,7 @@ def refused_request(config: TrainConfig, world_size: int, local_world_size: int)
     )
     sharder = EmbeddingBagCollectionSharder(local_world_size=local_world_size)
     try:
-        planner.check_options(DLRM(tables, device="meta"), [sharder])
+        planner.check_options(DemoDLRM(tables, device="meta"), [sharder])
     except ValueError as e:
         return str(e)
     return None
@@ -286,7 +286,7 @@ def train_rank(config: TrainConfig) -> int:
     from embshard_dist.comm.collectives import all_gather_ints, all_reduce
     from embshard_dist.data.synthetic import SyntheticClicks
     from embshard_dist.dmp.model_parallel import DistributedModelParallel
-    from embshard_dist.models.dlrm import DLRM
+    from embshard_dist.models.demo import DemoDLRM
     from embshard_dist.planner.auto import default_plan
     from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
     from embshard_dist.strategies.nodes import resolve_local_world_size
@@ -300,7 +300,7 @@ def train_rank(config: TrainConfig) -> int:
     tables = _table_configs(config)
     spec = OptimizerSpec.from_name(config.optimizer, lr=config.lr)
     torch.manual_seed(config.seed)
-    model = DLRM(tables)
+    model = DemoDLRM(tables)
     data = SyntheticClicks(tables, batch_size=config.batch_size, seed=config.seed)
     try:
         # ranks per node from LOCAL_WORLD_SIZE, so the planner and node-aware types agree on nodes
