@@ -28,21 +28,37 @@ def test_weight_init_bounds_are_honoured(optimizer: str | None) -> None:
     assert w1.min() >= -0.5 and w1.max() <= -0.25
 
 
-def test_uniform_draw_matches_torchrec_order() -> None:
-    """Tables are drawn one after the other from the global generator, in config order."""
-    tables = [
+def test_draws_follow_torchrec_order() -> None:
+    """As TorchRec's modules: an EmbeddingBagCollection fills every table with the normal init of
+    ``nn.EmbeddingBag`` first, then applies each config's init (uniform here) in config order; an
+    EmbeddingCollection does both table by table."""
+    bags = [
         EmbeddingBagConfig(50, 4, "a", weight_init_min=-1.0, weight_init_max=1.0),
         EmbeddingBagConfig(60, 8, "b"),
     ]
     torch.manual_seed(7)
-    ebc = EmbeddingBagCollection(tables)
+    ebc = EmbeddingBagCollection(bags)
     torch.manual_seed(7)
+    torch.empty(50, 4).normal_(), torch.empty(60, 8).normal_()
     expected_a = torch.empty(50, 4).uniform_(-1.0, 1.0)
     bound = (1.0 / 60) ** 0.5
     expected_b = torch.empty(60, 8).uniform_(-bound, bound)
     sd = ebc.state_dict()
     torch.testing.assert_close(sd["embedding_bags.a.weight"], expected_a)
     torch.testing.assert_close(sd["embedding_bags.b.weight"], expected_b)
+
+    seqs = [EmbeddingConfig(50, 8, "a"), EmbeddingConfig(60, 8, "b")]
+    torch.manual_seed(7)
+    ec = EmbeddingCollection(seqs)
+    torch.manual_seed(7)
+    expected = []
+    for rows in (50, 60):
+        torch.empty(rows, 8).normal_()
+        bound = (1.0 / rows) ** 0.5
+        expected.append(torch.empty(rows, 8).uniform_(-bound, bound))
+    sd = ec.state_dict()
+    torch.testing.assert_close(sd["embeddings.a.weight"], expected[0])
+    torch.testing.assert_close(sd["embeddings.b.weight"], expected[1])
 
 
 def test_init_fn_fills_the_weight_in_place() -> None:

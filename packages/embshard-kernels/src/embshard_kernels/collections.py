@@ -82,6 +82,7 @@ class _KernelCollection(nn.Module):
     """Tables held by grouped kernels, exposed as ``{_ATTR}.{table}.weight``."""
 
     _ATTR: ClassVar[str]
+    _INIT_PER_TABLE: ClassVar[bool]
 
     def __init__(
         self,
@@ -130,12 +131,23 @@ class _KernelCollection(nn.Module):
         return next(iter(self._weights().values())).device
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Initialise every table in config order as TorchRec does: the config's ``init_fn(weight)``
-        when it has one, else uniform in ``[weight_init_min, weight_init_max]`` (from
-        ``generator``, default torch's global one)."""
+        """Draw every table as TorchRec's modules do at construction: the normal init of
+        ``nn.EmbeddingBag`` / ``nn.Embedding``, then the config's ``init_fn(weight)`` when it has
+        one, else uniform in ``[weight_init_min, weight_init_max]`` (bags: every normal fill
+        first, then the configs in order; sequence tables: table by table). The same seed gives
+        the same tables as TorchRec's collection, and a meta collection materialised with this
+        equals one built directly (TorchRec's own ``reset_parameters`` skips the normal fill)."""
         weights = self._weights()
-        for config in self._configs:
-            config.initialize(weights[config.name], generator=generator)
+        with torch.no_grad():
+            if self._INIT_PER_TABLE:
+                for config in self._configs:
+                    weights[config.name].normal_(generator=generator)
+                    config.initialize(weights[config.name], generator=generator)
+                return
+            for config in self._configs:
+                weights[config.name].normal_(generator=generator)
+            for config in self._configs:
+                config.initialize(weights[config.name], generator=generator)
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
@@ -215,6 +227,7 @@ class EmbeddingBagCollection(_KernelCollection):
     """
 
     _ATTR = "embedding_bags"
+    _INIT_PER_TABLE = False
 
     def __init__(
         self,
@@ -287,6 +300,7 @@ class EmbeddingCollection(_KernelCollection):
     """
 
     _ATTR = "embeddings"
+    _INIT_PER_TABLE = True
 
     def __init__(
         self,
