@@ -1,0 +1,222 @@
+"""``TrainPipelineSparseDist``: the next batch's input dist runs while this batch trains.
+
+Each :meth:`~TrainPipelineSparseDist.progress` call, for the batch ``i`` whose input dist is
+done: start batch ``i+1``'s input dist (phase 1), take and copy batch ``i+2``, run batch ``i``'s
+forward (its sharded modules use their prepared inputs), start batch ``i+1``'s phase 2, then
+backward and optimizer step. Every rank issues the same collectives in the same order, and an
+input dist reads ids only, never weights, so the results are those of the plain loop
+``loss, out = model(batch); loss.backward(); optimizer.step()``, bit for bit. On CUDA the copy
+and the input dist run on side streams; on the CPU the collectives are simply in flight.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from embshard_dist.train_pipeline.batch import move_batch
+from embshard_dist.train_pipeline.pipelined_forward import (
+    PreparedInput,
+    serving,
+    start_input_dist,
+)
+from embshard_dist.train_pipeline.sparse_inputs import (
+    AnyShardedModule,
+    SparseInputs,
+    SparseOf,
+    find_sharded_modules,
+)
+from embshard_dist.train_pipeline.streams import SideStreams, hand_over, on_stream
+
+__all__ = ["TrainPipeline", "TrainPipelineSparseDist"]
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class TrainPipeline(abc.ABC, Generic[In, Out]):
+    """Runs training steps over the batches of an iterator."""
+
+    @abc.abstractmethod
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        """Run one step; ``StopIteration`` once every batch has been run."""
+
+
+@dataclass
+class _InFlight:
+    """A batch on the device, and its modules' input dists once started."""
+
+    batch: Any
+    inputs: dict[str, PreparedInput] = field(default_factory=dict)
+    started: bool = False
+
+
+class TrainPipelineSparseDist(TrainPipeline[In, Out]):
+    """Overlaps the next batch's input dist (and, on CUDA, its copy) with this batch's step.
+
+    Args:
+        model: a model holding sharded modules (usually a ``DistributedModelParallel``) whose
+            ``forward(batch)`` returns ``(loss, output)``, as ``DLRMTrain``'s does.
+        optimizer: stepped after each backward (e.g. ``dmp.optimizer()``).
+        device: where batches are copied and the step runs.
+        execute_all_batches: when the iterator ends, still run the batches already in the
+            pipeline (default); ``False``: the first ``progress`` after the iterator ended
+            raises ``StopIteration``, dropping the batch whose input dist had started.
+        custom_model_fwd: ``batch -> (loss, output)`` to call instead of ``model``.
+        sparse_of: which KeyedJaggedTensor of a batch each sharded module reads (default
+            ``batch.sparse_features``); see :mod:`~embshard_dist.train_pipeline.sparse_inputs`.
+
+    Raises:
+        ValueError: ``model`` holds no sharded module.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device | str,
+        execute_all_batches: bool = True,
+        *,
+        custom_model_fwd: Callable[[In], tuple[Tensor, Out]] | None = None,
+        sparse_of: SparseOf | None = None,
+    ) -> None:
+        self._model = model
+        self._optimizer = optimizer
+        self._device = torch.device(device)
+        self._execute_all_batches = execute_all_batches
+        self._model_fwd: Callable[[In], tuple[Tensor, Out]] = custom_model_fwd or model
+        self._sparse_of = sparse_of
+        self._streams = SideStreams.for_device(self._device)
+        self._modules = self._find(model)
+        self._inputs = SparseInputs(self._modules, sparse_of)
+        self._batches: deque[_InFlight] = deque()
+        self._exhausted = False
+
+    @property
+    def pipelined_modules(self) -> dict[str, AnyShardedModule]:
+        """The sharded modules found in the model, by path."""
+        return dict(self._modules)
+
+    def detach(self) -> nn.Module:
+        """The model, as the user built it.
+
+        The pipeline swaps its sharded modules' forwards only during a step, so the model is
+        always usable on its own; batches in flight stay for the next :meth:`progress`.
+        """
+        return self._model
+
+    def attach(self, model: nn.Module | None = None) -> None:
+        """Pipeline ``model`` from now on (``None``: keep the current one).
+
+        Raises:
+            RuntimeError: batches are in flight for the current model.
+        """
+        if model is None or model is self._model:
+            return
+        if self._batches:
+            raise RuntimeError(
+                f"TrainPipelineSparseDist.attach: {len(self._batches)} batch(es) are in flight "
+                "for the current model; run progress() until StopIteration first"
+            )
+        self._modules = self._find(model)
+        self._inputs = SparseInputs(self._modules, self._sparse_of)
+        self._model = model
+        self._model_fwd = model
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        """Run one training step on the oldest batch in flight and return its output.
+
+        Raises:
+            StopIteration: every batch has been run (or, with ``execute_all_batches=False``,
+                the iterator has ended).
+        """
+        self._fill(dataloader_iter)
+        if self._exhausted and not self._execute_all_batches:
+            self._drop_in_flight()
+        if not self._batches:
+            raise StopIteration
+        current = self._batches[0]
+        training = self._model.training
+        if training:
+            self._optimizer.zero_grad()
+        hand_over(current.batch, self._streams.dist)
+        following = self._batches[1] if len(self._batches) > 1 else None
+        if following is not None:
+            self._start_dist(following)
+        self._enqueue(dataloader_iter)
+        with serving(self._modules, current.inputs, self._streams.dist):
+            losses, output = self._model_fwd(current.batch)
+        if following is not None:
+            self._start_values(following)
+        if training:
+            (losses if losses.dim() == 0 else losses.sum()).backward()
+            self._optimizer.step()
+        self._batches.popleft()
+        return output
+
+    def _find(self, model: nn.Module) -> dict[str, AnyShardedModule]:
+        modules = find_sharded_modules(model)
+        if not modules:
+            raise ValueError(
+                f"TrainPipelineSparseDist: the {type(model).__name__} model holds no sharded "
+                "module, so there is no input dist to pipeline; wrap the model in "
+                "DistributedModelParallel first (or train it with a plain loop)"
+            )
+        return modules
+
+    def _fill(self, dataloader_iter: Iterator[In]) -> None:
+        """At the start (or after the end of an iterator): batch 0 distributed, batch 1 copied."""
+        if self._batches:
+            return
+        self._exhausted = False
+        if not self._enqueue(dataloader_iter):
+            return
+        self._start_dist(self._batches[0])
+        self._start_values(self._batches[0])
+        self._enqueue(dataloader_iter)
+
+    def _enqueue(self, dataloader_iter: Iterator[In]) -> bool:
+        """Take the next batch and start its copy to the device; ``False`` at the end."""
+        if self._exhausted:
+            return False
+        try:
+            batch = next(dataloader_iter)
+        except StopIteration:
+            self._exhausted = True
+            return False
+        copy = self._streams.copy
+        with on_stream(copy):
+            moved = move_batch(batch, self._device, non_blocking=copy is not None)
+        self._batches.append(_InFlight(moved))
+        return True
+
+    def _start_dist(self, flight: _InFlight) -> None:
+        """Phase 1 of every pipelined module's input dist, on the input-dist stream."""
+        if flight.started:
+            return
+        flight.started = True
+        dist = self._streams.dist
+        with on_stream(dist):
+            hand_over(flight.batch, self._streams.copy, dist)
+            for path, features in self._inputs(flight.batch).items():
+                flight.inputs[path] = start_input_dist(self._modules[path], features)
+
+    def _start_values(self, flight: _InFlight) -> None:
+        """Phase 2 of every pipelined module's input dist, on the input-dist stream."""
+        with on_stream(self._streams.dist):
+            for prepared in flight.inputs.values():
+                prepared.start_values()
+
+    def _drop_in_flight(self) -> None:
+        """Finish the collectives already started for the batches left, then forget them."""
+        with on_stream(self._streams.dist):
+            for flight in self._batches:
+                for prepared in flight.inputs.values():
+                    prepared.start_values().wait()
+        self._batches.clear()

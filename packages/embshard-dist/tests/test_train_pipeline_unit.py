@@ -1,0 +1,316 @@
+"""TrainPipelineSparseDist in one process (a one-rank gloo group): the order of its stages, the
+end of the data, the contract for finding each sharded module's input and its refusals, and
+moving batches. The results on real ranks against the plain loop are in
+``tests/test_train_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import namedtuple
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from embshard_dist.dmp.model_parallel import DistributedModelParallel
+from embshard_dist.models import DLRM, DLRMTrain
+from embshard_dist.train_pipeline import (
+    TrainPipelineSparseDist,
+    find_sharded_modules,
+    move_batch,
+)
+from embshard_kernels.collections import EmbeddingBagCollection
+from embshard_optim.specs import OptimizerSpec
+from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.parameter_sharding import ParameterSharding
+from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.vocab import ShardingType
+
+TABLES = [
+    EmbeddingBagConfig(name="t_a", num_embeddings=10, embedding_dim=4, feature_names=("f_a",)),
+    EmbeddingBagConfig(name="t_b", num_embeddings=6, embedding_dim=4, feature_names=("f_b",)),
+]
+SPEC = OptimizerSpec.from_name("rowwise_adagrad", lr=0.2, eps=1e-3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo group in this process (unless the session already has one)."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Batch:
+    dense_features: Tensor
+    sparse_features: KeyedJaggedTensor
+    labels: Tensor
+
+
+class Model(nn.Module):
+    """``forward(batch) -> (loss, logits)``; ``mode`` bends how it calls its collection."""
+
+    def __init__(self, mode: str = "plain") -> None:
+        super().__init__()
+        self.mode = mode
+        self.sparse = EmbeddingBagCollection(TABLES, optimizer=SPEC)
+        self.top = nn.Linear(3 + 8, 1)
+        self.seen: list[Tensor] = []
+
+    def forward(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        self.seen.append(batch.dense_features)
+        features = batch.sparse_features
+        if self.mode == "copies":
+            features = features.to("cpu")  # another KeyedJaggedTensor object
+        if self.mode == "skips":
+            pooled = torch.zeros(batch.labels.numel(), 8)
+        else:
+            pooled = self.sparse(features).values()
+        if self.mode == "twice":
+            pooled = pooled + self.sparse(features).values()
+        logits = self.top(torch.cat([batch.dense_features, pooled], dim=1)).squeeze(-1)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def sharded(mode: str = "plain", kind: ShardingType = ShardingType.ROW_WISE) -> Any:
+    torch.manual_seed(0)
+    ranks = [0] if kind is ShardingType.TABLE_WISE else None
+    shardings = {t.name: ParameterSharding(kind, "fused", ranks=ranks) for t in TABLES}
+    plan = ShardingPlan({"sparse": EmbeddingModuleShardingPlan(shardings)})
+    return DistributedModelParallel(Model(mode), plan=plan, optimizer=SPEC, device="cpu")
+
+
+def batches(count: int) -> list[Batch]:
+    out = []
+    for step in range(count):
+        g = torch.Generator().manual_seed(step)
+        lengths = torch.randint(0, 3, (2 * 4,), generator=g)
+        rows = [10] * 4 + [6] * 4
+        ids = torch.cat(
+            [
+                torch.randint(0, r, (int(n),), generator=g)
+                for r, n in zip(rows, lengths, strict=True)
+            ]
+        )
+        kjt = KeyedJaggedTensor(["f_a", "f_b"], ids, lengths=lengths)
+        out.append(
+            Batch(
+                torch.randn(4, 3, generator=g), kjt, torch.randint(0, 2, (4,), generator=g).float()
+            )
+        )
+    return out
+
+
+def run(pipeline: TrainPipelineSparseDist[Any, Tensor], data: Iterator[Any]) -> list[Tensor]:
+    outputs = []
+    while True:
+        try:
+            outputs.append(pipeline.progress(data))
+        except StopIteration:
+            return outputs
+
+
+def test_next_input_dist_starts_before_this_forward_and_results_equal_plain() -> None:
+    data = batches(4)
+    model = sharded()
+    module = model.sharded_modules["sparse"]
+    events: list[tuple[str, int]] = []
+    original = module.input_dist
+
+    def spy(ctx: Any, features: KeyedJaggedTensor) -> Any:
+        index = [b.sparse_features.values() for b in data]
+        events.append(("input_dist", [v is features.values() for v in index].index(True)))
+        return original(ctx, features)
+
+    module.input_dist = spy  # type: ignore[method-assign]
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), torch.device("cpu"))
+    it = iter(data)
+    outputs = []
+    for _ in range(4):
+        outputs.append(pipeline.progress(it))
+        forwarded = model.module.seen[-1]
+        events.append(("forward", [b.dense_features is forwarded for b in data].index(True)))
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    assert events == [
+        ("input_dist", 0),
+        ("input_dist", 1),
+        ("forward", 0),
+        ("input_dist", 2),
+        ("forward", 1),
+        ("input_dist", 3),
+        ("forward", 2),
+        ("forward", 3),
+    ]
+    assert "forward" not in module.__dict__  # the module's own forward is back after each step
+
+    reference = sharded()
+    optimizer = reference.optimizer()
+    for batch, out in zip(data, outputs, strict=True):
+        optimizer.zero_grad()
+        loss, expected = reference(batch)
+        loss.backward()
+        optimizer.step()
+        assert torch.equal(out, expected)
+    for key, value in model.state_dict().items():
+        ref = reference.state_dict()[key]
+        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
+        assert torch.equal(mine, theirs), key
+
+
+def plain_loop(model: Any, data: list[Batch], step: Any = None) -> list[Tensor]:
+    optimizer = model.optimizer()
+    outputs = []
+    for batch in data:
+        optimizer.zero_grad()
+        loss, out = (step or model)(batch)
+        loss.backward()
+        optimizer.step()
+        outputs.append(out)
+    return outputs
+
+
+def dlrm_train() -> Any:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(TABLES, optimizer=SPEC)
+    path = "model.sparse_arch.embedding_bag_collection"
+    shardings = {t.name: ParameterSharding(ShardingType.ROW_WISE, "fused") for t in TABLES}
+    plan = ShardingPlan({path: EmbeddingModuleShardingPlan(shardings)})
+    model = DLRMTrain(DLRM(ebc, 3, [6, 4], [5, 1]))
+    return DistributedModelParallel(model, plan=plan, optimizer=SPEC, device="cpu")
+
+
+def test_dlrm_train_and_a_custom_forward_equal_the_plain_loop() -> None:
+    data = batches(5)
+    model, reference = dlrm_train(), dlrm_train()
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    assert list(pipeline.pipelined_modules) == ["model.sparse_arch.embedding_bag_collection"]
+    for out, expected in zip(run(pipeline, iter(data)), plain_loop(reference, data), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+
+    def step(dmp: Any) -> Any:
+        inner = dmp.module.model  # DLRM.forward(dense, sparse): no loss of its own
+
+        def forward(batch: Batch) -> tuple[Tensor, Tensor]:
+            logits = inner(batch.dense_features, batch.sparse_features).squeeze(-1)
+            return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+        return forward
+
+    model, reference = dlrm_train(), dlrm_train()
+    custom = TrainPipelineSparseDist(model, model.optimizer(), "cpu", custom_model_fwd=step(model))
+    outputs = run(custom, iter(data))
+    for out, expected in zip(outputs, plain_loop(reference, data, step(reference)), strict=True):
+        assert torch.equal(out, expected)
+
+
+def test_end_of_data_and_a_second_epoch() -> None:
+    model = sharded()
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    with pytest.raises(StopIteration):
+        pipeline.progress(iter([]))
+    assert len(run(pipeline, iter(batches(1)))) == 1
+    assert len(run(pipeline, iter(batches(3)))) == 3
+    stopping = TrainPipelineSparseDist(model, model.optimizer(), "cpu", execute_all_batches=False)
+    assert len(run(stopping, iter(batches(3)))) == 2  # the last batch was in flight
+    assert len(run(stopping, iter(batches(3)))) == 2  # and the pipeline starts afresh
+
+
+def test_eval_mode_steps_nothing() -> None:
+    model = sharded()
+    before = {
+        k: v.local_shards()[0].tensor.clone()
+        for k, v in model.state_dict().items()
+        if hasattr(v, "local_shards")
+    }
+    model.eval()
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    assert len(run(pipeline, iter(batches(3)))) == 3
+    for key, value in model.state_dict().items():
+        if key in before:
+            assert torch.equal(value.local_shards()[0].tensor, before[key])
+
+
+def test_finds_sharded_modules_under_their_model_paths() -> None:
+    model = sharded(kind=ShardingType.TABLE_WISE)
+    assert list(find_sharded_modules(model)) == ["sparse"]
+    assert find_sharded_modules(model.module) == find_sharded_modules(model)
+    with pytest.raises(ValueError, match=r"holds no sharded module.*DistributedModelParallel"):
+        TrainPipelineSparseDist(Model(), torch.optim.SGD(Model().parameters(), lr=0.1), "cpu")
+
+
+def test_refuses_a_batch_without_sparse_features() -> None:
+    model = sharded()
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    pair = namedtuple("pair", ["dense", "ids"])
+    with pytest.raises(TypeError, match=r"batch.sparse_features.*pair batch has none.*sparse_of"):
+        pipeline.progress(iter([pair(torch.zeros(1), torch.zeros(1))]))
+
+
+@pytest.mark.parametrize(
+    ("mode", "error", "match"),
+    [
+        ("copies", ValueError, r"'sparse' was called with another KeyedJaggedTensor"),
+        ("twice", RuntimeError, r"'sparse' was called twice"),
+        ("skips", RuntimeError, r"did not call the sharded modules \['sparse'\]"),
+    ],
+)
+def test_refuses_a_model_it_cannot_pipeline(mode: str, error: type[Exception], match: str) -> None:
+    model = sharded(mode)
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    with pytest.raises(error, match=match):
+        pipeline.progress(iter(batches(2)))
+    assert "forward" not in model.sharded_modules["sparse"].__dict__
+
+
+def test_sparse_of_checks_its_answer_and_may_leave_modules_out() -> None:
+    model = sharded()
+    unknown = TrainPipelineSparseDist(
+        model, model.optimizer(), "cpu", sparse_of=lambda b: {"towers.ebc": b.sparse_features}
+    )
+    with pytest.raises(ValueError, match=r"\['towers.ebc'\].*sharded modules are \['sparse'\]"):
+        unknown.progress(iter(batches(1)))
+    wrong = TrainPipelineSparseDist(model, model.optimizer(), "cpu", sparse_of=lambda b: b.labels)
+    with pytest.raises(TypeError, match="KeyedJaggedTensor or a dict"):
+        wrong.progress(iter(batches(1)))
+    # Left out of the mapping: the module distributes its own input inside the forward.
+    reference = sharded()
+    unpiped = TrainPipelineSparseDist(model, model.optimizer(), "cpu", sparse_of=lambda b: {})
+    outputs = run(unpiped, iter(batches(3)))
+    optimizer = reference.optimizer()
+    for batch, out in zip(batches(3), outputs, strict=True):
+        optimizer.zero_grad()
+        loss, expected = reference(batch)
+        loss.backward()
+        optimizer.step()
+        assert torch.equal(out, expected)
+
+
+def test_move_batch_keeps_structure_and_moves_every_tensor() -> None:
+    point = namedtuple("point", ["x", "y"])
+    kjt = batches(1)[0].sparse_features
+    given = {"a": [torch.ones(2), (point(torch.zeros(1), 3), "s")], "b": batches(1)[0], "c": kjt}
+    moved = move_batch(given, torch.device("meta"))
+    assert moved["a"][0].is_meta and moved["a"][1][0].x.is_meta and moved["a"][1][0].y == 3
+    assert isinstance(moved["a"][1][0], point) and moved["a"][1][1] == "s"
+    assert isinstance(moved["b"], Batch) and moved["b"].sparse_features.values().is_meta
+    assert moved["c"].values().is_meta and moved["c"].keys() == ["f_a", "f_b"]
+    same = torch.ones(1)
+    assert move_batch(same, torch.device("cpu")) is same
