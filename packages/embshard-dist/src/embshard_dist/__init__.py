@@ -1,10 +1,9 @@
 """embshard-dist: sharded embedding collections, DistributedModelParallel, the planner and the
 ``embshard`` command.
 
-Layered top to bottom: ``cli`` -> ``checkpoint`` (``data``, ``models``, ``train_pipeline`` beside
-it) -> ``dmp`` ->
-``planner`` -> ``sharded`` (sharded collections with their sharders) -> ``strategies`` (one
-module per sharding strategy) -> ``comm``. A sharded step flows input dist -> lookup -> output
+Layered top to bottom: ``cli`` -> ``checkpoint`` (``data``, ``metrics``, ``models`` and
+``train_pipeline`` beside it) -> ``dmp`` -> ``planner`` -> ``sharded`` (sharded collections with
+their sharders) -> ``strategies`` (one module per sharding strategy) -> ``comm``. A sharded step flows input dist -> lookup -> output
 dist. Importing is cheap: the public names load on first use.
 """
 

@@ -14,6 +14,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "plan the sharding of a table spec and print the plan's stats table"),
     "calibrate": ("calibrate", "measure this machine and write the planner's topology file"),
     "checkpoint": ("checkpoint", "inspect, export (unsharded) and import training checkpoints"),
+    "data": ("data", "write synthetic Criteo-format days and convert TSV days to NumPy"),
 }
 
 
