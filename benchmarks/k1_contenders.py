@@ -1,10 +1,12 @@
 """The K1 contenders: embshard's fused collection, FBGEMM's TBE called directly, and per-table
 ``torch.nn.EmbeddingBag`` with sparse Adagrad. Each exposes ``step()`` (forward + backward +
-update) and ``forward()``; all start from the same weights and see the same ids."""
+update) and ``forward()``; all start from the same weights and see the same ids. embshard's
+collection takes its ``backend`` (``"auto"``: the fused path ``choose_fused_path`` picks here)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from workloads import K1
@@ -20,7 +22,9 @@ def _kjt(w: K1, ids: torch.Tensor):  # type: ignore[no-untyped-def]
 
 
 def embshard_collection(
-    w: K1, optimizer: str = "rowwise_adagrad"
+    w: K1,
+    optimizer: str = "rowwise_adagrad",
+    backend: Literal["auto", "fbgemm", "torch"] = "auto",
 ) -> tuple[Callable[[], None], Callable[[], None]]:
     from embshard_kernels.collections import EmbeddingBagCollection
     from embshard_optim.specs import OptimizerSpec
@@ -34,7 +38,7 @@ def embshard_collection(
         for t in range(w.num_tables)
     ]
     spec = OptimizerSpec.from_name(optimizer, lr=w.lr, eps=w.eps)
-    ebc = EmbeddingBagCollection(tables, optimizer=spec)
+    ebc = EmbeddingBagCollection(tables, optimizer=spec, backend=backend)
     with torch.no_grad():
         for t, weight in enumerate(weights):
             ebc.state_dict()[f"embedding_bags.t{t}.weight"].copy_(weight)
@@ -48,6 +52,24 @@ def embshard_collection(
             ebc(kjt)
 
     return step, forward
+
+
+def fused_path(optimizer: str = "rowwise_adagrad") -> str:
+    """The fused path ``backend="auto"`` takes for ``optimizer`` here, and why."""
+    import os
+
+    from embshard_kernels.path_probe import ENV_VAR
+    from embshard_kernels.tbe import measured_fused_path
+    from embshard_optim.specs import OptimType
+
+    forced = os.environ.get(ENV_VAR, "auto")
+    if forced.lower() not in ("", "auto"):
+        return f"{forced} ({ENV_VAR})"
+    probe = measured_fused_path(OptimType.parse(optimizer))
+    return (
+        f"{probe.chosen.value} (probe: FBGEMM {probe.fbgemm_s * 1e3:.2f} ms, "
+        f"torch fast path {probe.torch_fast_s * 1e3:.2f} ms per step)"
+    )
 
 
 def fbgemm_tbe(

@@ -1,6 +1,8 @@
 """K1 side by side, interleaved in one process: embshard's fused collection vs FBGEMM's TBE
 called directly vs per-table ``nn.EmbeddingBag`` + sparse Adagrad, plus effective bandwidth
-against a memory copy measured in the same process.
+against a memory copy measured in the same process. ``embshard`` is the collection as a user gets
+it (``backend="auto"``: the fused path chosen on this machine, printed); ``embshard_torch`` forces
+embshard's torch fast path, the other candidate of that choice.
 
 Each round runs every contender once (A B C A B C ...); figures are medians after warm-up.
 Usage: ``python benchmarks/k1_ratios.py [--rounds 15] [--warmup 3] [--threads 1] [--json out.json]``
@@ -16,7 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from k1_contenders import embshard_collection, fbgemm_tbe, torch_embedding_bags
+from k1_contenders import embshard_collection, fbgemm_tbe, fused_path, torch_embedding_bags
 from workloads import K1
 
 
@@ -58,13 +60,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     w = K1()
     es_step, es_fwd = embshard_collection(w)
+    et_step, et_fwd = embshard_collection(w, backend="torch")
     fb_step, fb_fwd = fbgemm_tbe(w)
     tb_step, tb_fwd = torch_embedding_bags(w)
     steps = interleave(
-        {"embshard": es_step, "fbgemm": fb_step, "torch": tb_step}, args.rounds, args.warmup
+        {"embshard": es_step, "embshard_torch": et_step, "fbgemm": fb_step, "torch": tb_step},
+        args.rounds,
+        args.warmup,
     )
     fwds = interleave(
-        {"embshard": es_fwd, "fbgemm": fb_fwd, "torch": tb_fwd}, args.rounds, args.warmup
+        {"embshard": es_fwd, "embshard_torch": et_fwd, "fbgemm": fb_fwd, "torch": tb_fwd},
+        args.rounds,
+        args.warmup,
     )
     bw = copy_bandwidth()
     versions = {
@@ -82,9 +89,11 @@ def main() -> None:
         "workload": "K1",
         "machine": platform.processor() or platform.machine(),
         "versions": versions,
+        "embshard_fused_path": fused_path(),
         "step_ms": {k: v * 1e3 for k, v in steps.items()},
         "forward_ms": {k: v * 1e3 for k, v in fwds.items()},
         "ratio_step_embshard_over_fbgemm": steps["embshard"] / steps["fbgemm"],
+        "ratio_step_embshard_torch_over_fbgemm": steps["embshard_torch"] / steps["fbgemm"],
         "ratio_step_torch_over_embshard": steps["torch"] / steps["embshard"],
         "ratio_forward_embshard_over_fbgemm": fwds["embshard"] / fwds["fbgemm"],
         "copy_bandwidth_gbs": bw / 1e9,
@@ -92,14 +101,19 @@ def main() -> None:
         "step_bandwidth_gbs": w.bytes_moved(backward=True) / steps["embshard"] / 1e9,
     }
     print(f"K1 on {result['machine']}, {versions}")
-    print(f"{'':10} {'step ms':>9} {'forward ms':>11}")
+    print(f"embshard's fused path: {result['embshard_fused_path']}")
+    print(f"{'':14} {'step ms':>9} {'forward ms':>11}")
     for name in steps:
-        print(f"{name:10} {steps[name] * 1e3:9.1f} {fwds[name] * 1e3:11.1f}")
+        print(f"{name:14} {steps[name] * 1e3:9.1f} {fwds[name] * 1e3:11.1f}")
     print(
         f"embshard / FBGEMM step     {result['ratio_step_embshard_over_fbgemm']:.3f}  (target <= 1.10)"
     )
     print(
         f"torch / embshard step      {result['ratio_step_torch_over_embshard']:.2f}  (target >= 2)"
+    )
+    print(
+        f"embshard_torch / FBGEMM step {result['ratio_step_embshard_torch_over_fbgemm']:.3f}  "
+        "(the torch fast path forced)"
     )
     print(f"embshard / FBGEMM forward  {result['ratio_forward_embshard_over_fbgemm']:.3f}")
     print(

@@ -6,13 +6,21 @@ The suite runs on gloo and the CPU by default, and on NCCL and the GPUs with
 * ``@pytest.mark.cpu_only(reason)``: a test that only makes sense on gloo / the CPU (it kills
   or hangs a rank, or checks a gloo-specific path); skipped under NCCL with its reason.
 * ``device`` fixture: the device this process's tensors belong on (``_mp.test_device()``).
+* ``EMBSHARD_FUSED_PATH`` defaults to ``torch`` here (unless set): the fused kernels' FBGEMM-or-
+  torch choice is otherwise measured per process, and tests that compare runs across processes
+  (resume, the launcher) must not depend on a timing. Both paths are tested against each other
+  in embshard-kernels' suite.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _mp import selected_backend, test_device
+
+os.environ.setdefault("EMBSHARD_FUSED_PATH", "torch")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -40,6 +40,10 @@ class Contender(Protocol):
         """One training step: forward, backward (optimizer fused in), any optimizer step."""
         ...
 
+    def profile(self, batch: Batch) -> tuple[dict[str, float], dict[str, float]]:
+        """One training step, phase by phase (see ``benchmarks.compare.profile``)."""
+        ...
+
 
 class Root(nn.Module):
     """Holds a collection as ``.ebc`` (the module path the plans name) and calls it."""

@@ -195,10 +195,16 @@ class EmbshardSide:
             out = self.model(self._kjt(batch))
             return {k: v.detach().clone() for k, v in out.to_dict().items()}
 
-    def step(self, batch: Batch) -> None:
-        kt = self.model(self._kjt(batch))
-        values = kt.values()
+    def _loss(self, kt: Any, batch: Batch) -> Tensor:
         if self._arranged is None:
             self._arranged = loss_weights_in_order(self._loss_weights, kt.keys())
-        loss = (values * self._arranged).sum() / batch.batch_size
-        loss.backward()
+        loss: Tensor = (kt.values() * self._arranged).sum() / batch.batch_size
+        return loss
+
+    def step(self, batch: Batch) -> None:
+        self._loss(self.model(self._kjt(batch)), batch).backward()
+
+    def profile(self, batch: Batch) -> tuple[dict[str, float], dict[str, float]]:
+        from benchmarks.compare.profile import profile_step
+
+        return profile_step(self.model, self._kjt(batch), lambda kt: self._loss(kt, batch))

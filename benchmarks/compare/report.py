@@ -2,7 +2,8 @@
 
 Step time of a contender = the slowest rank's median (the largest of the per-rank medians of
 the timed steps). Ratio = embshard / TorchRec (below 1: embshard is faster). Peak RSS per rank
-comes from the runs that built one library alone (``None`` when they were skipped).
+comes from the runs that built one library alone (``None`` when they were skipped). Phases
+(``--profile``): per library, the median ms per phase of its slowest rank (by profiled total).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.compare.profile import PHASES
 
 ORDER = ("embshard", "torchrec")
 
@@ -41,6 +44,42 @@ def summarize_timing(ranks: list[dict[str, Any]], contenders: list[str]) -> dict
     if ranks and "post_training_max_abs_diff" in ranks[0]:
         out["post_training_max_abs_diff"] = ranks[0]["post_training_max_abs_diff"]
     return out
+
+
+def summarize_phases(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per contender, the phases and backward nodes of the rank whose profiled step took
+    longest; empty when the run was not profiled."""
+    if not ranks or not all("phase_ms" in r for r in ranks):
+        return {}
+    phases: dict[str, dict[str, float]] = {}
+    nodes: dict[str, dict[str, float]] = {}
+    for name in ranks[0]["phase_ms"]:
+        slowest = max(ranks, key=lambda r: r["phase_ms"][name]["total"])
+        phases[name] = slowest["phase_ms"][name]
+        nodes[name] = slowest["backward_nodes_ms"][name]
+    return {"phase_ms": phases, "backward_nodes_ms": nodes}
+
+
+def phase_table(result: dict[str, Any]) -> str:
+    """Median ms per phase of the profiled steps, one line per (row, library)."""
+    columns = (*PHASES, "total")
+    head = f"{'wl':3} {'plan':15} {'library':9} " + " ".join(
+        f"{c.replace('_', ' '):>14}" for c in columns
+    )
+    lines = [
+        "ms per phase: median over the profiled steps of the slowest rank (the profiler slows "
+        "the backward a little);\nbackward comms: autograd nodes of collectives; fused update: "
+        "the lookups' backward, optimizer included",
+        head,
+        "-" * len(head),
+    ]
+    for row in result["results"]:
+        for name in ORDER:
+            phases = row.get("phase_ms", {}).get(name)
+            if phases is not None:
+                cells = " ".join(f"{phases[c]:14.1f}" for c in columns)
+                lines.append(f"{row['workload']:3} {row['plan']:15} {name:9} {cells}")
+    return "\n".join(lines)
 
 
 def header(env: dict[str, Any]) -> str:

@@ -11,14 +11,16 @@ Usage::
 
     python -m benchmarks.compare.run [--workload W1 W2] [--plans row_wise mixed ...]
         [--steps 20] [--warmup 5] [--quick] [--no-memory] [--contenders torchrec]
-        [--world-size 2] [--local-size 1] [--out benchmarks/results/compare]
+        [--world-size 2] [--local-size 1] [--profile] [--out benchmarks/results/compare]
 
 ``--local-size``: ranks per node (default: all ranks on one node; 1 simulates one node per
 rank, which gives table-row-wise and grid plans their multi-node layouts). A plan embshard
 cannot run yet is timed for TorchRec alone, with a note naming what embshard lacks. Exit status
 1 when any configuration failed (including the forward check).
 ``--quick``: the minimum counts benchmarks.md allows (10 timed steps after 3 warm-up), 2 steps
-for the memory runs. Results go to ``<out>/compare-<time>.json`` and ``.png`` (and
+for the memory runs. ``--profile``: after the timed steps, ``--profile-steps`` more per library,
+each split into input dist, lookup, output dist, backward comms, fused update and the rest
+(``profile``); a phase table follows the step table. Results go to ``<out>/compare-<time>.json`` and ``.png`` (and
 ``latest.json`` / ``latest.png``).
 """
 
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="also time each step's phases")
+    parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps per library")
     parser.add_argument("--out", default=str(RESULTS), help=f"default: {RESULTS}")
     args = parser.parse_args(argv)
     if args.quick:
@@ -197,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir="",
                 local_size=args.local_size,
                 planned=planned,
+                profile_steps=args.profile_steps if args.profile else 0,
             )
             started = time.perf_counter()
             ranks, error = spawn(job, args.world_size)
             row.update(report.summarize_timing(ranks, contenders))
+            row.update(report.summarize_phases(ranks))
             if error:
                 row["error"] = row.get("error") or error
             if not args.no_memory and "error" not in row:
@@ -231,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = report.write(result, Path(args.out))
     print()
     print(report.table(result))
+    if args.profile:
+        print()
+        print(report.phase_table(result))
     for p in paths:
         print(f"wrote {p}")
     return 1 if any("error" in r for r in rows) else 0

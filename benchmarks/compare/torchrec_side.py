@@ -203,13 +203,25 @@ class TorchRecSide:
             out = self.model(self._kjt(batch))
             return {k: v.detach().clone() for k, v in out.to_dict().items()}
 
-    def step(self, batch: Batch) -> None:
-        kt = self.model(self._kjt(batch))
-        values = kt.values()
+    def _loss(self, kt: Any, batch: Batch) -> Tensor:
         if self._arranged is None:
             self._arranged = loss_weights_in_order(self._loss_weights, kt.keys())
-        loss = (values * self._arranged).sum() / batch.batch_size
-        loss.backward()
+        loss: Tensor = (kt.values() * self._arranged).sum() / batch.batch_size
+        return loss
+
+    def _dense_step(self) -> None:
         if self.dense_optimizer is not None:
             self.dense_optimizer.step()
             self.dense_optimizer.zero_grad(set_to_none=True)
+
+    def step(self, batch: Batch) -> None:
+        self._loss(self.model(self._kjt(batch)), batch).backward()
+        self._dense_step()
+
+    def profile(self, batch: Batch) -> tuple[dict[str, float], dict[str, float]]:
+        from benchmarks.compare.profile import profile_step
+
+        def loss_of(kt: Any) -> Tensor:
+            return self._loss(kt, batch)
+
+        return profile_step(self.model, self._kjt(batch), loss_of, self._dense_step)

@@ -12,7 +12,9 @@ Protocol on every rank (all ranks run the same sequence of collectives):
    ranks start together; steps cycle through the pre-built batches;
 4. after the timed rounds, the forward outputs are compared again (informational: after the same
    training steps the two libraries' weights agree only where both do the same math);
-5. write this rank's step times, peak RSS (``ru_maxrss``) and diffs as JSON.
+5. with ``profile_steps``, that many more steps per contender (alternating, after a barrier),
+   each split into phases (``profile``);
+6. write this rank's step times, phases, peak RSS (``ru_maxrss``) and diffs as JSON.
 
 A ``memory`` job builds one contender alone and runs a few steps, so its peak RSS is its own.
 """
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from benchmarks.compare.common import Contender, Unsupported, join_group
 from benchmarks.compare.planned import PLANNED
 from benchmarks.compare.plans import Plan, make_plan
+from benchmarks.compare.profile import median_phases
 from benchmarks.compare.workloads import Batch, Workload, get
 
 
@@ -54,6 +57,8 @@ class Job:
     memory_only: bool = False
     planned: dict[str, Plan] | None = None
     """``plan == "planned"``: contender -> the plan its own planner picked (see ``planned``)."""
+    profile_steps: int = 0
+    """Steps per contender profiled phase by phase after the timed ones (0: none)."""
 
 
 def build(
@@ -107,6 +112,22 @@ def _time_step(side: Contender, batch: Batch) -> float:
     start = time.perf_counter()
     side.step(batch)
     return time.perf_counter() - start
+
+
+def _profile(sides: list[Contender], batches: list[Batch], steps: int) -> dict[str, object]:
+    """Per contender, the median ms of each phase over ``steps`` profiled steps, and the
+    backward's autograd nodes (ms) of the last one."""
+    phases: dict[str, list[dict[str, float]]] = {s.name: [] for s in sides}
+    nodes: dict[str, dict[str, float]] = {}
+    for i in range(steps):
+        for side in sides if i % 2 == 0 else sides[::-1]:
+            dist.barrier()
+            step_phases, nodes[side.name] = side.profile(batches[i % len(batches)])
+            phases[side.name].append(step_phases)
+    return {
+        "phase_ms": {name: median_phases(samples) for name, samples in phases.items()},
+        "backward_nodes_ms": nodes,
+    }
 
 
 def _compare(sides: list[Contender], batch: Batch) -> dict[str, float]:
@@ -165,6 +186,8 @@ def run_rank(rank: int, world: int, port: int, job: Job) -> None:
                 if i >= job.warmup:
                     times[side.name].append(t * 1e3)
         result["step_ms"] = times
+        if job.profile_steps:
+            result.update(_profile(sides, batches, job.profile_steps))
         result["post_training_max_abs_diff"] = _compare(sides, batches[0]) if len(sides) > 1 else {}
         result["peak_rss_mb"] = _peak_rss_mb()
     finally:

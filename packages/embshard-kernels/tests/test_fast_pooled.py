@@ -125,20 +125,28 @@ def test_an_empty_batch_changes_nothing() -> None:
     assert bit_identical(fast.split_embedding_weights(), before)
 
 
-def test_auto_prefers_the_fast_path_only_for_rowwise_adagrad_on_pooled_fp32_tables() -> None:
+def test_the_fast_path_serves_only_pooled_fp32_sgd_and_rowwise_adagrad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where both could run, speed decides (here forced with EMBSHARD_FUSED_PATH; the measured
+    choice is tested in test_fused_path_choice.py); elsewhere FBGEMM always."""
+
     def tbe(spec: OptimizerSpec, **kwargs: object) -> object:
         tables = [replace(t, **kwargs) for t in _config(spec).embedding_tables]  # type: ignore[arg-type]
         return BatchedFusedEmbeddingBag(one_group(*tables)).emb_module
 
-    fast = tbe(SPECS["rowwise_adagrad"])
-    assert isinstance(fast, TorchFusedTBE) and fast.fast is not None
-    assert isinstance(tbe(SPECS["sgd"]), FbgemmFusedTBE)
+    monkeypatch.setenv("EMBSHARD_FUSED_PATH", "torch")
+    for name in ("rowwise_adagrad", "sgd"):
+        fast = tbe(SPECS[name])
+        assert isinstance(fast, TorchFusedTBE) and fast.fast is not None, name
     assert isinstance(tbe(OptimizerSpec.from_name("adagrad", lr=0.1)), FbgemmFusedTBE)
     assert isinstance(tbe(SPECS["rowwise_adagrad"], data_type="fp16"), FbgemmFusedTBE)
     forced = BatchedFusedEmbeddingBag(_config(SPECS["rowwise_adagrad"]), backend="fbgemm")
     assert isinstance(forced.emb_module, FbgemmFusedTBE)
     sequence = one_group(table("s", 4, 8, pooling="none", optimizer=SPECS["rowwise_adagrad"]))
     assert isinstance(BatchedFusedEmbedding(sequence).emb_module, FbgemmFusedTBE)
+    monkeypatch.setenv("EMBSHARD_FUSED_PATH", "fbgemm")
+    assert isinstance(tbe(SPECS["rowwise_adagrad"]), FbgemmFusedTBE)
 
 
 def test_refusals_say_why() -> None:

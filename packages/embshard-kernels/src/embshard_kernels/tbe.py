@@ -8,7 +8,6 @@ Optimizer state comes back keyed by ``spec.state_names()``, whatever FBGEMM call
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -31,24 +30,27 @@ from embshard_kernels.fbgemm_mapping import (
 )
 from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.grouping import GroupedEmbeddingConfig
+from embshard_kernels.path_probe import (
+    FusedPath,
+    ProbeResult,
+    TrainingTBE,
+    fused_path_override,
+    probe_fused_path,
+)
 from embshard_optim.specs import OptimizerSpec, OptimType
 
 Backend = Literal["auto", "fbgemm", "torch"]
 
-FASTER_THAN_FBGEMM = (OptimType.ROWWISE_ADAGRAD,)
-"""Optimizers whose fast pooled path ``"auto"`` prefers to FBGEMM on the CPU (see
-``benchmarks/README.md``); FBGEMM's CPU SGD is fast already."""
-
-
-class FusedPath(Enum):
-    """Where a group's fused update runs."""
-
-    FBGEMM = "fbgemm"
-    """FBGEMM's TBE."""
-    TORCH_FAST = "torch_fast"
-    """``TorchFusedTBE`` on its fast pooled path (``embshard_kernels.fast_pooled``)."""
-    TORCH = "torch"
-    """``TorchFusedTBE`` on its general path (the sparse update rules, table by table)."""
+__all__ = [
+    "Backend",
+    "FbgemmFusedTBE",
+    "FusedPath",
+    "FusedTBE",
+    "build_cpu_tbe",
+    "build_fused_tbe",
+    "choose_fused_path",
+    "measured_fused_path",
+]
 
 
 @runtime_checkable
@@ -196,8 +198,15 @@ def choose_fused_path(
 ) -> FusedPath:
     """The path that runs ``spec`` for ``config`` on ``device``.
 
+    Correctness first: a forced ``backend`` is obeyed (callers force ``"torch"`` for the hooks
+    only ``TorchFusedTBE`` has), and ``"auto"`` never picks FBGEMM where it cannot run ``spec``
+    faithfully. Only where both FBGEMM and the fast pooled path serve the group is speed the
+    rule: ``EMBSHARD_FUSED_PATH`` (``fbgemm`` / ``torch``) decides if set, else the faster on
+    this machine (:func:`~embshard_kernels.path_probe.probe_fused_path`, once per process).
+
     Raises:
-        ValueError: ``backend="fbgemm"`` with an optimizer FBGEMM cannot run on ``device``.
+        ValueError: ``backend="fbgemm"`` with an optimizer FBGEMM cannot run on ``device``, or
+            ``EMBSHARD_FUSED_PATH`` set to an unknown value.
     """
     fbgemm_cannot = fbgemm_refusal(spec, device)
     fast_fits = fast_path_refusal(config, spec, device) is None
@@ -213,9 +222,29 @@ def choose_fused_path(
         return torch_path
     if fbgemm_cannot is not None:  # FBGEMM cannot run the optimizer faithfully here
         return torch_path
-    if fast_fits and spec.optim_type in FASTER_THAN_FBGEMM:  # the fast path beats FBGEMM
-        return FusedPath.TORCH_FAST
-    return FusedPath.FBGEMM  # FBGEMM serves it well
+    if not fast_fits:  # FBGEMM serves it; the general torch path would only be slower
+        return FusedPath.FBGEMM
+    override = fused_path_override()
+    if override is not None:  # both fit: the user's choice
+        return override
+    return measured_fused_path(spec.optim_type).chosen  # both fit: the faster here
+
+
+def measured_fused_path(optim_type: OptimType) -> ProbeResult:
+    """This process's measurement of FBGEMM against the fast pooled path for ``optim_type``
+    (SGD or RowWiseAdagrad), taken on the first call and cached."""
+    return probe_fused_path(optim_type, build_cpu_tbe)
+
+
+def build_cpu_tbe(
+    config: GroupedEmbeddingConfig, params: FusedParams, path: FusedPath
+) -> TrainingTBE:
+    """The CPU TBE of ``path`` for ``config``, built as the probe times it."""
+    from embshard_kernels.torch_fused import TorchFusedTBE
+
+    if path is FusedPath.FBGEMM:
+        return FbgemmFusedTBE(config, params.optimizer, params)
+    return TorchFusedTBE(config, params, fast=path is FusedPath.TORCH_FAST)
 
 
 def build_fused_tbe(
