@@ -18,6 +18,11 @@ from embshard_kernels.key_value import (
     KeyValueFusedOptimizer,
 )
 from embshard_kernels.quant import QuantBatchedEmbedding, QuantBatchedEmbeddingBag, QuantTableWeight
+from embshard_kernels.quantize import (
+    QuantEmbeddingBagCollection,
+    QuantEmbeddingCollection,
+    quantize_embeddings,
+)
 from embshard_kernels.slices import TableBatchedEmbeddingSlice, TableWeight
 
 __all__ = [
@@ -39,4 +44,7 @@ __all__ = [
     "GroupedKernels",
     "EmbeddingBagCollection",
     "EmbeddingCollection",
+    "QuantEmbeddingBagCollection",
+    "QuantEmbeddingCollection",
+    "quantize_embeddings",
 ]

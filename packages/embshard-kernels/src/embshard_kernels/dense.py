@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from embshard_kernels._fbgemm import DenseTableBatchedEmbeddingBagsCodegen, PoolingMode
+from embshard_kernels._fbgemm import (
+    BoundsCheckMode,
+    DenseTableBatchedEmbeddingBagsCodegen,
+    PoolingMode,
+)
 from embshard_kernels.base import BaseBatchedEmbedding
 from embshard_kernels.fbgemm_mapping import (
     check_kernel_available,
@@ -29,9 +33,74 @@ from embshard_kernels.slices import table_slices
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.vocab import ComputeKernel, PoolingType
 
+_OUTPUT_DTYPES = {0: torch.float32, 1: torch.float16, 5: torch.bfloat16}
+_FAKE_REGISTERED: list[bool] = []
+
+
+def register_dense_lookup_fake() -> None:
+    """Give FBGEMM's dense TBE op a fake (shape-only) implementation, once.
+
+    ``torch.export`` and ``torch.compile`` trace with fake tensors; FBGEMM registers none for
+    ``fbgemm::dense_embedding_codegen_lookup_function``, so without this the dense kernels cannot
+    be exported. The exported graph then calls FBGEMM's own op, which gives the eager outputs.
+    """
+    if _FAKE_REGISTERED:
+        return
+    _FAKE_REGISTERED.append(True)
+
+    @torch.library.register_fake("fbgemm::dense_embedding_codegen_lookup_function")
+    def _dense_lookup_fake(
+        dev_weights: Tensor,
+        weights_offsets: Tensor,
+        D_offsets: Tensor,
+        total_D: int,
+        max_D: int,
+        hash_size_cumsum: Tensor,
+        total_hash_size_bits: int,
+        indices: Tensor,
+        offsets: Tensor,
+        pooling_mode: int,
+        indice_weights: Tensor | None,
+        feature_requires_grad: Tensor | None,
+        output_dtype: int = 0,
+        B_offsets: Tensor | None = None,
+        vbe_output_offsets_feature_rank: Tensor | None = None,
+        vbe_B_offsets_rank_per_feature: Tensor | None = None,
+        max_B: int = -1,
+        max_B_feature_rank: int = -1,
+        vbe_output_size: int = -1,
+        mixed_D: bool = True,
+    ) -> Tensor:
+        dtype = _OUTPUT_DTYPES.get(output_dtype)
+        if dtype is None:
+            raise ValueError(
+                f"dense TBE output dtype code {output_dtype} is not float32, float16 or bfloat16"
+            )
+        if B_offsets is not None:
+            return dev_weights.new_empty(vbe_output_size, dtype=dtype)
+        num_features = D_offsets.shape[0] - 1
+        batch = (offsets.shape[0] - 1) // num_features
+        return dev_weights.new_empty(batch, total_D, dtype=dtype)
+
+
+def traced_bounds_check(
+    rows_per_feature: Tensor, indices: Tensor, offsets: Tensor, weights: Tensor | None
+) -> None:
+    """In a traced graph (torch.export / torch.compile), fail on an id outside its table.
+
+    Eager calls run ``check_features`` instead, whose data-dependent checks cannot be traced;
+    this keeps exported programs from reading out of bounds (FBGEMM's FATAL bounds check).
+    """
+    warning = torch.zeros(1, dtype=torch.int64, device=indices.device)
+    torch.ops.fbgemm.bounds_check_indices(
+        rows_per_feature, indices, offsets, BoundsCheckMode.FATAL.value, warning, weights
+    )
+
 
 class _DenseKernel(BaseBatchedEmbedding):
     """The dense kernel's storage and checks; the public classes below differ in lookup."""
+
+    _rows_per_feature: Tensor
 
     def __init__(
         self,
@@ -42,6 +111,7 @@ class _DenseKernel(BaseBatchedEmbedding):
         init_weights: bool,
     ) -> None:
         super().__init__(config, device)
+        register_dense_lookup_fake()
         for table in config.embedding_tables:
             kernel = check_kernel_available(table.compute_kernel, device, table=table.name)
             if kernel is not ComputeKernel.DENSE:
@@ -75,6 +145,15 @@ class _DenseKernel(BaseBatchedEmbedding):
         self._offsets = offsets
         self._shapes = shapes
         self._on_cpu = on_cpu
+        self.register_buffer(
+            "_rows_per_feature",
+            torch.tensor(
+                [config.embedding_tables[t].rows for t in config.feature_table_map()],
+                dtype=torch.int64,
+                device=self.device,
+            ),
+            persistent=False,
+        )
         if init_weights:
             self.init_parameters()
 
@@ -87,8 +166,14 @@ class _DenseKernel(BaseBatchedEmbedding):
         ]
 
     def _input(self, features: KeyedJaggedTensor) -> TBEInput:
-        check_features(features, self._layout)
-        return to_tbe_input(features, weighted=self._config.is_weighted)
+        if not torch.compiler.is_compiling():
+            check_features(features, self._layout)
+            return to_tbe_input(features, weighted=self._config.is_weighted)
+        args = to_tbe_input(features, weighted=self._config.is_weighted)
+        traced_bounds_check(
+            self._rows_per_feature, args.indices, args.offsets, args.per_sample_weights
+        )
+        return args
 
 
 class BatchedDenseEmbeddingBag(_DenseKernel):
@@ -107,6 +192,10 @@ class BatchedDenseEmbeddingBag(_DenseKernel):
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """Pooled ``[batch, sum of dims]`` (FBGEMM's flat layout when batch sizes vary)."""
         args = self._input(features)
+        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+            # FBGEMM's dense op has no autograd that AOTAutograd sees (its backward would be
+            # silently dropped): a traced training graph pools in torch instead.
+            return self._torch_pooled(features, args)
         if args.batch_size_per_feature_per_rank is None or not self._on_cpu:
             out: Tensor = self._emb_module(
                 args.indices,
@@ -116,6 +205,9 @@ class BatchedDenseEmbeddingBag(_DenseKernel):
             )
             return out
         # FBGEMM's CPU dense TBE ignores per-feature batch sizes: look up in torch.
+        return self._torch_pooled(features, args)
+
+    def _torch_pooled(self, features: KeyedJaggedTensor, args: TBEInput) -> Tensor:
         return pooled_lookup(
             self.autograd_tables(),
             self._config.feature_table_map(),
@@ -124,6 +216,7 @@ class BatchedDenseEmbeddingBag(_DenseKernel):
             args.per_sample_weights,
             self._config.pooling,
             args.batch_size_per_feature_per_rank,
+            layout=_layout(features, args),
         ).to(data_type_to_dtype(self._output_dtype))
 
 
@@ -143,11 +236,7 @@ class BatchedDenseEmbedding(_DenseKernel):
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """``[ids, dim]``: one row per id, features in order."""
         args = self._input(features)
-        layout = CallLayout.of(
-            args.offsets,
-            len(self._config.feature_table_map()),
-            args.batch_size_per_feature_per_rank,
-        )
+        layout = _layout(features, args)
         rows = sequence_lookup(
             self.autograd_tables(),
             self._config.feature_table_map(),
@@ -156,3 +245,13 @@ class BatchedDenseEmbedding(_DenseKernel):
             layout,
         )
         return rows.to(data_type_to_dtype(self._output_dtype))
+
+
+def _layout(features: KeyedJaggedTensor, args: TBEInput) -> CallLayout:
+    """The call's layout from the per-key sizes the KeyedJaggedTensor knows (cached after one
+    device read), so torch.compile / torch.export trace nothing data-dependent."""
+    return CallLayout(
+        features.lengths_offset_per_key(),
+        features.offset_per_key(),
+        args.batch_size_per_feature_per_rank,
+    )

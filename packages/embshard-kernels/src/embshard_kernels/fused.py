@@ -150,7 +150,8 @@ class _FusedKernel(BaseBatchedEmbedding):
         Pooled: ``[batch, sum of dims]`` (flat when batch sizes vary); sequence: ``[ids, dim]``.
         Bad input raises (see ``check_features``) before anything changes.
         """
-        check_features(features, self._layout)
+        if not torch.compiler.is_compiling():  # data-dependent checks; traced graphs skip them
+            check_features(features, self._layout)
         args = to_tbe_input(features, weighted=self._config.is_weighted)
         out: Tensor = self._emb_module(*args)
         return out

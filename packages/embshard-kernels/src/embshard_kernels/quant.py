@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from embshard_kernels._fbgemm import EmbeddingLocation, IntNBitTableBatchedEmbeddingBagsCodegen
 from embshard_kernels.base import BaseBatchedEmbedding
+from embshard_kernels.dense import traced_bounds_check
 from embshard_kernels.fbgemm_mapping import (
     check_kernel_available,
     data_type_to_sparse_type,
@@ -170,10 +171,13 @@ class _QuantKernel(BaseBatchedEmbedding):
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """Pooled ``[batch, sum of dims]`` or sequence ``[ids, dim]`` lookups."""
-        check_features(features, self._layout)
+        if not torch.compiler.is_compiling():
+            check_features(features, self._layout)
+            args = to_tbe_input(features, weighted=self._config.is_weighted)
+            out: Tensor = self._emb_module(args.indices, args.offsets, args.per_sample_weights)
+            return out
         args = to_tbe_input(features, weighted=self._config.is_weighted)
-        out: Tensor = self._emb_module(args.indices, args.offsets, args.per_sample_weights)
-        return out
+        return _traced_lookup(self._emb_module, args.indices, args.offsets, args.per_sample_weights)
 
     @classmethod
     def from_float(
@@ -195,6 +199,46 @@ class _QuantKernel(BaseBatchedEmbedding):
         quant = cls(quant_config, module.device)
         quant.load_float_weights(module.split_embedding_weights())
         return quant
+
+
+def _traced_lookup(
+    tbe: IntNBitTableBatchedEmbeddingBagsCodegen,
+    indices: Tensor,
+    offsets: Tensor,
+    weights: Tensor | None,
+) -> Tensor:
+    """FBGEMM's IntNBit forward as a traceable graph: a FATAL bounds check, then the lookup op.
+
+    The module's own forward pops a cache queue (a TorchScript object dynamo cannot trace);
+    embshard's quantized tables are never cached or pruned, so that step is empty here.
+    """
+    traced_bounds_check(tbe.rows_per_table, indices, offsets, weights)
+    lookup: Tensor = torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+        dev_weights=tbe.weights_host if tbe.host_size > 0 else tbe.weights_dev,
+        uvm_weights=tbe.weights_uvm,
+        weights_placements=tbe.weights_placements,
+        weights_offsets=tbe.weights_offsets,
+        weights_tys=tbe.weights_tys,
+        D_offsets=tbe.D_offsets,
+        total_D=tbe.total_D,
+        max_int2_D=tbe.max_int2_D,
+        max_int4_D=tbe.max_int4_D,
+        max_int8_D=tbe.max_int8_D,
+        max_float16_D=tbe.max_float16_D,
+        max_float32_D=tbe.max_float32_D,
+        indices=indices,
+        offsets=offsets,
+        pooling_mode=int(tbe.pooling_mode),
+        indice_weights=weights,
+        output_dtype=tbe.output_dtype,
+        lxu_cache_weights=tbe.lxu_cache_weights,
+        lxu_cache_locations=indices.new_empty(0, dtype=torch.int32),
+        row_alignment=tbe.row_alignment,
+        max_float8_D=tbe.max_float8_D,
+        fp8_exponent_bits=tbe.fp8_exponent_bits,
+        fp8_exponent_bias=tbe.fp8_exponent_bias,
+    )
+    return lookup
 
 
 def _quantize_into(weight: Tensor, data_type: DataType, holder: QuantTableWeight) -> None:
