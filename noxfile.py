@@ -143,10 +143,17 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def asv(session: nox.Session) -> None:
     """asv of HEAD and the recent history of main (each commit's own four packages), HTML
-    published to benchmarks/html. Arguments go to the driver: revisions, --commits N,
-    --bench REGEX, --no-publish."""
+    published to benchmarks/html and made self-contained: asv's CDN scripts and styles are
+    replaced by the npm packages pinned in benchmarks/dashboard/assets.lock.json (fetched with
+    npm once, cached in benchmarks/.dashboard-cache). The dashboard is then checked in headless
+    Chromium with the network cut (benchmarks/dashboard/check_browser.py; Debian package
+    ``chromium``), which saves screenshot-summary.png and screenshot-graph.png beside it.
+    Arguments go to the driver: revisions, --commits N, --bench REGEX, --no-publish."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "bench")
+    session.run("pytest", "benchmarks/dashboard/test_vendor.py", "-q", "-p", "no:cacheprovider")
     session.run("python", "benchmarks/asv_history.py", "run", "--quick", *session.posargs)
+    if "--no-publish" not in session.posargs:
+        session.run("python", "benchmarks/dashboard/check_browser.py")
 
 
 @nox.session

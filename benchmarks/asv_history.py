@@ -18,7 +18,8 @@ Usage (run with the Python of the environment that holds asv, e.g. ``nox -s asv`
 
 ``run`` with no revision: HEAD (always run) plus those of the last ``N`` (default 4) commits of
 ``main`` that touch ``packages/`` whose results are missing or were recorded with other
-benchmark code; then ``asv publish`` (HTML in ``benchmarks/html``).
+benchmark code; then ``asv publish`` (HTML in ``benchmarks/html``), made self-contained by
+``dashboard/vendor.py`` (asv's CDN scripts and styles replaced by pinned npm copies).
 ``compare``: runs A and B where their results are missing or stale (or always with
 ``--rerun``), prints ``asv compare A B --split``, then exits 1 if any benchmark of B is worse
 than A's by more than ``factor`` (slower, bigger, or failing where A did not), 0 otherwise.
@@ -52,6 +53,8 @@ BENCH = Path(__file__).resolve().parent
 PACKAGES = ("embshard-types", "embshard-optim", "embshard-kernels", "embshard-dist")
 MODULES = tuple(p.replace("-", "_") for p in PACKAGES)
 BRANCH = "main"
+PLAN_WORKLOADS = ("W1", "W2")
+"""The distributed jobs (``asv_bench/bench_w1``, ``bench_w2``) whose plans can be re-run alone."""
 
 
 def _git(*args: str) -> str:
@@ -271,12 +274,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     print("commits to benchmark: " + " ".join(s[:8] for s in shas), flush=True)
     status = _run_commits(shas, args.quick, args.bench)
     if not args.no_publish:
-        _asv("publish", check=True)
-        print(f"dashboard: {BENCH / _config().get('html_dir', 'html')}/index.html")
+        _publish()
     print("\nsummary:")
     for sha, s in status.items():
         print(f"  {sha[:8]}  {s}")
     return 0 if all(s == "ok" for s in status.values()) else 2
+
+
+def _publish() -> None:
+    """``asv publish``, then make the HTML self-contained (pinned scripts and styles beside it)."""
+    from dashboard.vendor import VendorError, publish
+
+    _asv("publish", check=True)
+    html_dir = BENCH / _config().get("html_dir", "html")
+    try:
+        files = publish(html_dir)
+    except VendorError as err:
+        raise SystemExit(f"the dashboard needs the network to display: {err}") from err
+    print(f"dashboard: {html_dir}/index.html ({len(files)} pinned asset files, no network needed)")
 
 
 def _nan(x: Any) -> bool:
@@ -344,11 +359,12 @@ def _confirm(
     Per commit and suspect: the figure of each round (``None``: failed)."""
     names = sorted({n for n, _ in suspects})
     bench = "^(" + "|".join(re.escape(n) for n in names) + r")(\(|$)"
-    plans: set[str] = set()
+    plans: dict[str, set[str]] = {w: set() for w in PLAN_WORKLOADS}
     for name, i in suspects:
-        if name.startswith("bench_w1."):
+        workload = name.split(".")[0].removeprefix("bench_").upper()
+        if workload in plans:
             entry = _load_results(b).get(name) or _load_results(a)[name]
-            plans.add(str(_combos(entry)[i][0]))
+            plans[workload].add(str(_combos(entry)[i][0]))
     seen: dict[str, dict[Key, list[Any]]] = {
         a: {k: [] for k in suspects},
         b: {k: [] for k in suspects},
@@ -364,8 +380,12 @@ def _confirm(
         config = Path(tmp, "asv.conf.json")
         config.write_text(json.dumps(conf))
         order = [s for r in range(rounds) for s in ((b, a) if r % 2 == 0 else (a, b))]
-        env_before = os.environ.get("EMBSHARD_ASV_W1_PLANS")
-        os.environ["EMBSHARD_ASV_W1_PLANS"] = ",".join(sorted(plans)) if plans else ""
+        # Only the suspect plans of each distributed job run again ("" for a job: all of it,
+        # which happens only when none of its plans is suspect and its benchmarks are not run).
+        keys = {w: f"EMBSHARD_ASV_{w}_PLANS" for w in PLAN_WORKLOADS}
+        env_before = {key: os.environ.get(key) for key in keys.values()}
+        for workload, key in keys.items():
+            os.environ[key] = ",".join(sorted(plans[workload]))
         try:
 
             def action(sha: str) -> str:
@@ -378,10 +398,11 @@ def _confirm(
 
             _each_commit(order, action)
         finally:
-            if env_before is None:
-                os.environ.pop("EMBSHARD_ASV_W1_PLANS", None)
-            else:
-                os.environ["EMBSHARD_ASV_W1_PLANS"] = env_before
+            for key, value in env_before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return seen
 
 

@@ -35,32 +35,42 @@ STEPS = int(os.environ.get("EMBSHARD_ASV_W1_STEPS", "5"))
 WARMUP = int(os.environ.get("EMBSHARD_ASV_W1_WARMUP", "2"))
 
 
-def run_w1() -> dict[str, Any]:
-    """Every W1 plan on fresh ranks; per plan its figures or ``{"error": ...}``."""
-    with tempfile.TemporaryDirectory(prefix="embshard-asv-w1-") as tmp:
-        out = Path(tmp, "w1.json")
+def run_job(workload: str, steps: int, warmup: int) -> dict[str, Any]:
+    """Every plan of ``workload`` on fresh ranks; per plan its figures or ``{"error": ...}``.
+
+    ``EMBSHARD_ASV_<workload>_PLANS`` (comma-separated) limits the plans run.
+    """
+    with tempfile.TemporaryDirectory(prefix=f"embshard-asv-{workload.lower()}-") as tmp:
+        out = Path(tmp, f"{workload.lower()}.json")
         cmd = [sys.executable, "-m", "benchmarks.asv_bench.w1_job", "--out", str(out)]
-        cmd += ["--steps", str(STEPS), "--warmup", str(WARMUP)]
-        only = os.environ.get("EMBSHARD_ASV_W1_PLANS", "")
+        cmd += ["--steps", str(steps), "--warmup", str(warmup), "--workload", workload]
+        only = os.environ.get(f"EMBSHARD_ASV_{workload}_PLANS", "")
         cmd += ["--plans", *only.split(",")] if only else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise RuntimeError(f"the W1 job exited with status {proc.returncode}:\n{tail}")
+            raise RuntimeError(f"the {workload} job exited with status {proc.returncode}:\n{tail}")
         results: dict[str, Any] = json.loads(out.read_text())
     return results
+
+
+def run_w1() -> dict[str, Any]:
+    """Every W1 plan on fresh ranks (``run_job``)."""
+    return run_job("W1", STEPS, WARMUP)
 
 
 run_w1.timeout = 900  # type: ignore[attr-defined]
 
 
-def _skip_unless_run(cache: dict[str, Any], plan: str) -> None:
-    if plan not in cache:  # left out on purpose (EMBSHARD_ASV_W1_PLANS): asv records it skipped
-        raise NotImplementedError(f"W1 {plan} not run (EMBSHARD_ASV_W1_PLANS)")
+def skip_unless_run(cache: dict[str, Any], plan: str, workload: str = "W1") -> None:
+    """Make asv record ``plan`` as skipped when the job left it out on purpose."""
+    if plan not in cache:  # asv's convention: NotImplementedError in setup means "skipped"
+        raise NotImplementedError(f"{workload} {plan} not run (EMBSHARD_ASV_{workload}_PLANS)")
 
 
-def _figures(cache: dict[str, Any], plan: str) -> dict[str, Any]:
+def figures(cache: dict[str, Any], plan: str) -> dict[str, Any]:
+    """The job's figures of ``plan``; its error raised when it could not run."""
     entry: dict[str, Any] = cache[plan]
     if "error" in entry:
         raise RuntimeError(entry["error"])
@@ -74,10 +84,10 @@ class W1StepTime:
     setup_cache = staticmethod(run_w1)
 
     def setup(self, cache: dict[str, Any], plan: str) -> None:
-        _skip_unless_run(cache, plan)
+        skip_unless_run(cache, plan)
 
     def track_step_ms(self, cache: dict[str, Any], plan: str) -> float:
-        return float(_figures(cache, plan)["step_ms"])
+        return float(figures(cache, plan)["step_ms"])
 
     track_step_ms.unit = "ms"  # type: ignore[attr-defined]
 
@@ -89,9 +99,9 @@ class W1PeakMemory:
     setup_cache = staticmethod(run_w1)
 
     def setup(self, cache: dict[str, Any], plan: str, rank: int) -> None:
-        _skip_unless_run(cache, plan)
+        skip_unless_run(cache, plan)
 
     def track_peak_rss_mb(self, cache: dict[str, Any], plan: str, rank: int) -> float:
-        return float(_figures(cache, plan)["peak_rss_mb"][rank])
+        return float(figures(cache, plan)["peak_rss_mb"][rank])
 
     track_peak_rss_mb.unit = "MB"  # type: ignore[attr-defined]

@@ -1,8 +1,9 @@
-"""W1 on 2 gloo processes (1 thread each) for every sharding type, embshard alone, as one job.
+"""W1 or W2 on 2 gloo processes (1 thread each) for every sharding type, embshard alone, one job.
 
-Run as ``python -m benchmarks.asv_bench.w1_job --out FILE`` from the repository root (the asv
-benchmarks in ``bench_w1`` do so once per commit, in a fresh interpreter, so asv's own process
-never forks ranks). It reuses the side-by-side harness (``benchmarks/compare``): the same W1
+Run as ``python -m benchmarks.asv_bench.w1_job --out FILE [--workload W2]`` from the repository
+root (the asv benchmarks in ``bench_w1`` and ``bench_w2`` do so once per commit, in a fresh
+interpreter, so asv's own process never forks ranks). It reuses the side-by-side harness
+(``benchmarks/compare``): the same
 workload, plans, optimizer (RowWiseAdagrad fused in backward) and timed step, with only the
 embshard contender. Per plan it starts one fresh group of ranks (so peak RSS is that plan's own)
 and writes, as JSON::
@@ -38,20 +39,20 @@ PLANS = (
 WORLD_SIZE = 2
 
 
-def run_plan(kind: str, steps: int, warmup: int) -> dict[str, Any]:
-    """One W1 job of sharding ``kind`` on fresh ranks: step time and peak RSS per rank."""
+def run_plan(kind: str, steps: int, warmup: int, workload: str = "W1") -> dict[str, Any]:
+    """One ``workload`` job of sharding ``kind`` on fresh ranks: step time and peak RSS per rank."""
     from benchmarks.compare.plans import describe, make_plan
     from benchmarks.compare.run import embshard_missing, spawn
     from benchmarks.compare.worker import Job
     from benchmarks.compare.workloads import get
 
     started = time.perf_counter()
-    kinds = set(describe(make_plan(kind, get("W1"), WORLD_SIZE, None)))
+    kinds = set(describe(make_plan(kind, get(workload), WORLD_SIZE, None)))
     why = embshard_missing(kinds)
     if why is not None:
-        return {"error": f"embshard cannot run W1 {kind}: {why}"}
+        return {"error": f"embshard cannot run {workload} {kind}: {why}"}
     job = Job(
-        workload="W1",
+        workload=workload,
         plan=kind,
         contenders=("embshard",),
         steps=steps,
@@ -67,7 +68,7 @@ def run_plan(kind: str, steps: int, warmup: int) -> dict[str, Any]:
     skipped = [v for r in ranks for v in r.get("skipped", {}).values()]
     if errors or skipped or not all("step_ms" in r for r in ranks):
         why = "; ".join(errors + skipped) or "a rank wrote no step times"
-        return {"error": f"W1 {kind} failed: {why}"}
+        return {"error": f"{workload} {kind} failed: {why}"}
     medians = [statistics.median(r["step_ms"]["embshard"]) for r in ranks]
     return {
         "step_ms": max(medians),
@@ -83,15 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per plan")
+    parser.add_argument("--workload", default="W1", choices=("W1", "W2"))
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     results: dict[str, Any] = {}
     for kind in args.plans:
         try:
-            results[kind] = run_plan(kind, args.steps, args.warmup)
+            results[kind] = run_plan(kind, args.steps, args.warmup, args.workload)
         except Exception as e:  # one plan failing must not hide the others' figures
-            results[kind] = {"error": f"W1 {kind} failed: {type(e).__name__}: {e}"}
-        print(f"W1 {kind}: {results[kind]}", file=sys.stderr, flush=True)
+            results[kind] = {"error": f"{args.workload} {kind} failed: {type(e).__name__}: {e}"}
+        print(f"{args.workload} {kind}: {results[kind]}", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
 
