@@ -321,6 +321,8 @@ def build(session: nox.Session) -> None:
         session.run(
             "uv", "pip", "install", "--python", python, "--find-links", str(DIST.resolve()),
             "--only-binary", ",".join(PACKAGES),
+            # the wheels just built, never a cached one of the same name and version
+            *[f"--refresh-package={p}" for p in PACKAGES],
             requirement,
             env={"UV_NO_CONFIG": "1"},
             external=True,
