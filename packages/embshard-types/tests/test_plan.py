@@ -281,6 +281,14 @@ def test_printing_an_empty_module_plan() -> None:
     assert "param | sharding type | compute kernel | ranks" in text
 
 
+def test_a_replicated_only_plan_prints_no_empty_shard_table() -> None:
+    text = str(
+        EmbeddingModuleShardingPlan({"t": make_sharding(ShardingType.DATA_PARALLEL, world_size=2)})
+    )
+    assert "t     | data_parallel | fused          | 0, 1" in text
+    assert "shard offsets" not in text
+
+
 # --- world checks -------------------------------------------------------------------------------
 
 

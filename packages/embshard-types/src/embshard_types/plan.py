@@ -123,8 +123,11 @@ class EmbeddingModuleShardingPlan(
             for name, ps in self.items()
             for s in ps.shards or ()
         ]
+        table = tabulate(params, ["param", "sharding type", "compute kernel", "ranks"])
+        if not shards:  # every table replicated: no shard to list
+            return table
         return (
-            tabulate(params, ["param", "sharding type", "compute kernel", "ranks"])
+            table
             + "\n\n"
             + tabulate(shards, ["param", "shard offsets", "shard sizes", "placement"])
         )
