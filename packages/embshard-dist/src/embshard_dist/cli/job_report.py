@@ -76,6 +76,11 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"loss: first {window} steps {first:.4f} -> last {window} steps {final:.4f} "
         f"({change:+.1f}%)",
     ]
+    if "comm_wait_ms_per_step" in s:
+        lines.append(
+            f"rank 0 waited {s['comm_wait_ms_per_step']:.1f} ms per step on embshard's collectives "
+            f"(pipeline: {s.get('pipeline', '-')})"
+        )
     evals = s["history"]["eval"]
     if evals:
         a, b = evals[0], evals[-1]

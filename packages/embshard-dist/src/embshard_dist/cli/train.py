@@ -479,6 +479,7 @@ def _train(
     from embshard_dist.cli.job_tensorboard import ScalarWriter
     from embshard_dist.cli.progress import Progress
     from embshard_dist.comm.collectives import all_gather_ints, all_reduce
+    from embshard_dist.comm.timeouts import waited_seconds
     from embshard_dist.train_pipeline import move_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -507,13 +508,17 @@ def _train(
         run_eval(start)
     losses = torch.zeros(config.steps - start, dtype=torch.float64, device=device)
     window, busy, window_busy, first_step_s = config.window, 0.0, 0.0, 0.0
+    window_wait = total_wait = 0.0
     for step in range(start, config.steps):
-        began = time.perf_counter()
+        began, waited = time.perf_counter(), waited_seconds()
         loss, logits, labels = stepper.progress(batches)
         losses[step - start] = loss
         window_metrics.update(logits, labels)
         spent = time.perf_counter() - began
         window_busy += spent
+        window_wait += waited_seconds() - waited
+        if step != start:
+            total_wait += waited_seconds() - waited
         if step == start:
             first_step_s = spent
         else:
@@ -537,8 +542,9 @@ def _train(
                     f"step {done:>{width}}/{config.steps} | "
                     f"{(done - lo) / max(window_busy, 1e-9):7.1f} steps/s | loss {float(mean):.4f}"
                     f" | ne {values['ne']:.4f} | auc {values['auc']:.4f}"
+                    f" | comm wait {1e3 * window_wait / (done - lo):.1f} ms/step"
                 )
-            window_busy = 0.0
+            window_busy = window_wait = 0.0
         due = config.eval_every and (done % config.eval_every == 0 or done == config.steps)
         if due and history.eval[-1][0] != done:
             run_eval(done)
@@ -563,6 +569,8 @@ def _train(
         "batch_size_per_rank": config.batch_size,
         "seconds": seconds,
         "steps_per_s": timed_steps / max(seconds, 1e-9),
+        # this rank's time blocked on embshard's collectives per timed step (DDP's not counted)
+        "comm_wait_ms_per_step": 1e3 * total_wait / max(timed_steps if ran > 1 else 1, 1),
         "samples_per_s": timed_steps * config.batch_size * world / max(seconds, 1e-9),
         "window": window,
         "first_window_loss": sum(curve[:window]) / len(curve[:window]),

@@ -150,6 +150,16 @@ def _looks_timed_out(message: str) -> bool:
     return "timed out" in lowered or "timeout" in lowered
 
 
+_WAITED = [0.0]
+
+
+def waited_seconds() -> float:
+    """Seconds this process has spent blocked in ``PendingCollective.wait`` so far (embshard's
+    own collectives; torch's DDP all-reduce is not counted). Differences between two reads give
+    the wait of what ran in between."""
+    return _WAITED[0]
+
+
 @dataclass
 class PendingCollective:
     """An issued asynchronous collective (``work``) that has not been waited for yet; the other
@@ -179,8 +189,10 @@ class PendingCollective:
                 finished = self.work.wait()
         except RuntimeError as e:
             elapsed = time.monotonic() - start
+            _WAITED[0] += elapsed
             timed_out = _looks_timed_out(str(e)) or elapsed >= self.timeout.total_seconds()
             raise self._error(_first_line(str(e)), timed_out=timed_out) from e
+        _WAITED[0] += time.monotonic() - start
         if finished is False:
             raise self._error("the backend reported that the work did not finish", timed_out=True)
         self._done = True
