@@ -9,6 +9,7 @@ next good step must still match the unsharded module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -147,6 +148,21 @@ def _bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
 def run_bad_inputs(plan: str, cases: list[str]) -> list[tuple[str, str, str, bool]]:
     """Per case: the exception type and message on this rank, and whether state is unchanged."""
     torch.set_num_threads(1)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    return feed_bad_inputs(
+        lambda source: EmbeddingBagCollectionSharder().shard(
+            source, plan_for(plan, dist.get_world_size()), env, test_device()
+        ),
+        cases,
+    )[1]
+
+
+def feed_bad_inputs(
+    shard: Callable[[EmbeddingBagCollection], Any], cases: list[str]
+) -> tuple[Any, list[tuple[str, str, str, bool]]]:
+    """Shard a collection with ``shard``, then per case: a good step, rank 1's bad batch (the
+    others' good one), and this rank's exception type, message and whether state stayed the
+    same; every good step must equal the unsharded module's. Returns the sharded module too."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = test_device()
     torch.manual_seed(7)
@@ -154,11 +170,11 @@ def run_bad_inputs(plan: str, cases: list[str]) -> list[tuple[str, str, str, boo
         list(TABLES), is_weighted=True, optimizer=OPTIMIZERS["rowwise_adagrad"]
     )
     torch.manual_seed(7)
-    source = EmbeddingBagCollection(
-        list(TABLES), is_weighted=True, optimizer=OPTIMIZERS["rowwise_adagrad"]
+    sharded = shard(
+        EmbeddingBagCollection(
+            list(TABLES), is_weighted=True, optimizer=OPTIMIZERS["rowwise_adagrad"]
+        )
     )
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
-    sharded = EmbeddingBagCollectionSharder().shard(source, plan_for(plan, world), env, device)
     results = []
     step = 0
 
@@ -187,7 +203,7 @@ def run_bad_inputs(plan: str, cases: list[str]) -> list[tuple[str, str, str, boo
             unchanged = _bit_identical(before, _state(sharded))
             results.append((case, type(error).__name__, str(error), unchanged))
         good_step()  # the ranks are still in step: the next batch trains as unsharded
-    return results
+    return sharded, results
 
 
 @pytest.mark.parametrize("plan", ["tw", "rw", "dp", "mixed"])

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _mp import run_on_ranks, test_device
-from test_input_errors import BAD, KEYS, TABLES, _bit_identical, _good, _state
-from test_sharded_ebc_training import OPTIMIZERS, global_batch, kjt_of
+from test_input_errors import BAD, KEYS, TABLES, _bit_identical, _good, _state, feed_bad_inputs
+from test_sharded_ebc_training import OPTIMIZERS
 
 from embshard_dist.comm.kjt_all_to_all import STATUS_WORDS, InputStatus
 from embshard_dist.comm.timeouts import ENV_TIMEOUT_VAR
@@ -67,48 +67,12 @@ def run_bad_inputs_in_nodes(
     """Per case: this rank's exception type, message and whether state stayed the same; and
     per strategy whether its input dist carries the verdict."""
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = test_device()
-    torch.manual_seed(7)
-    reference = EmbeddingBagCollection(
-        list(TABLES), is_weighted=True, optimizer=OPTIMIZERS["rowwise_adagrad"]
-    )
-    torch.manual_seed(7)
-    source = EmbeddingBagCollection(
-        list(TABLES), is_weighted=True, optimizer=OPTIMIZERS["rowwise_adagrad"]
-    )
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     sharder = EmbeddingBagCollectionSharder(local_world_size=node_size)
-    sharded = sharder.shard(source, _plan(plan, node_size), env, device)
+    sharded, results = feed_bad_inputs(
+        lambda source: sharder.shard(source, _plan(plan, node_size), env, test_device()), cases
+    )
     carriers = [getattr(d, "carries_input_status", False) for d in sharded._input_dists]
-    step = 0
-
-    def good_step() -> None:
-        nonlocal step
-        out = sharded(_good(step, rank).to(device))
-        expected = reference(kjt_of(global_batch(list(TABLES), step, 6), KEYS, 0, 6, True))
-        torch.testing.assert_close(out.values().cpu(), expected.values()[3 * rank : 3 * rank + 3])
-        out.values().sum().backward()
-        (expected.values().sum() / world).backward()
-        step += 1
-
-    results = []
-    good_step()
-    for case in cases:
-        before = _state(sharded)
-        make, _ = BAD[case]
-        batch = _good(step, rank)
-        given = make(batch) if rank == 1 else batch
-        if isinstance(given, KeyedJaggedTensor):
-            given = given.to(device)
-        try:
-            out = sharded(given)
-            out.values().sum().backward()
-            results.append((case, "no error", "", _bit_identical(before, _state(sharded))))
-        except Exception as error:
-            unchanged = _bit_identical(before, _state(sharded))
-            results.append((case, type(error).__name__, str(error), unchanged))
-        good_step()  # still in step: the next good batch trains as the unsharded module
     return results, carriers
 
 
