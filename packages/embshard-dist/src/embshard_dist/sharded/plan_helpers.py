@@ -165,26 +165,11 @@ def table_wise(
         device: the shard's device type (default: the plan's ``device_type``).
     """
 
-    def generate(
-        param: nn.Parameter,
-        local_size: int,
-        world_size: int,
-        device_type: str,
-        sharder: ModuleSharder[Any],
-    ) -> ParameterSharding:
+    def ranks(param: nn.Parameter, local_size: int, world_size: int) -> list[int]:
         _check_rank(rank, world_size, "table_wise(rank=...)")
-        return _sharding(
-            ShardingType.TABLE_WISE,
-            param,
-            [rank],
-            device or device_type,
-            device_type,
-            sharder,
-            compute_kernel,
-            local_size,
-        )
+        return [rank]
 
-    return generate
+    return _laid_out(ShardingType.TABLE_WISE, ranks, compute_kernel, device)
 
 
 def row_wise(
@@ -260,26 +245,10 @@ def column_wise(
 def table_row_wise(host_index: int, compute_kernel: Kernel = None) -> ParameterShardingGenerator:
     """Row blocks on the ranks of node ``host_index``, one per rank of the node."""
 
-    def generate(
-        param: nn.Parameter,
-        local_size: int,
-        world_size: int,
-        device_type: str,
-        sharder: ModuleSharder[Any],
-    ) -> ParameterSharding:
-        ranks = _node_ranks(host_index, local_size, world_size, "table_row_wise")
-        return _sharding(
-            ShardingType.TABLE_ROW_WISE,
-            param,
-            ranks,
-            device_type,
-            device_type,
-            sharder,
-            compute_kernel,
-            local_size,
-        )
+    def ranks(param: nn.Parameter, local_size: int, world_size: int) -> list[int]:
+        return _node_ranks(host_index, local_size, world_size, "table_row_wise")
 
-    return generate
+    return _laid_out(ShardingType.TABLE_ROW_WISE, ranks, compute_kernel)
 
 
 def table_column_wise(
@@ -291,13 +260,7 @@ def table_column_wise(
         num_shards: default: one block per rank of the node, at most ``embedding_dim // 4``.
     """
 
-    def generate(
-        param: nn.Parameter,
-        local_size: int,
-        world_size: int,
-        device_type: str,
-        sharder: ModuleSharder[Any],
-    ) -> ParameterSharding:
+    def ranks(param: nn.Parameter, local_size: int, world_size: int) -> list[int]:
         node = _node_ranks(host_index, local_size, world_size, "table_column_wise")
         _, dim = _shape(param)
         count = num_shards or len(column_wise_dims(dim, world_size=local_size))
@@ -306,18 +269,9 @@ def table_column_wise(
                 f"table_column_wise: {count} column blocks do not fit the {local_size} ranks "
                 "of a node; use at most one block per rank"
             )
-        return _sharding(
-            ShardingType.TABLE_COLUMN_WISE,
-            param,
-            node[:count],
-            device_type,
-            device_type,
-            sharder,
-            compute_kernel,
-            local_size,
-        )
+        return node[:count]
 
-    return generate
+    return _laid_out(ShardingType.TABLE_COLUMN_WISE, ranks, compute_kernel)
 
 
 def grid_shard(
@@ -328,6 +282,21 @@ def grid_shard(
     if not hosts:
         raise ValueError("grid_shard needs host_indexes=[...] (one node per column block)")
 
+    def ranks(param: nn.Parameter, local_size: int, world_size: int) -> list[int]:
+        return [r for h in hosts for r in _node_ranks(h, local_size, world_size, "grid_shard")]
+
+    return _laid_out(ShardingType.GRID_SHARD, ranks, compute_kernel)
+
+
+def _laid_out(
+    kind: ShardingType,
+    ranks_of: Callable[[nn.Parameter, int, int], list[int]],
+    compute_kernel: Kernel,
+    device: str | None = None,
+) -> ParameterShardingGenerator:
+    """The generator of a ``kind`` sharding over the ranks ``ranks_of(param, local_size,
+    world_size)`` names, laid out as the strategies lay it out."""
+
     def generate(
         param: nn.Parameter,
         local_size: int,
@@ -335,17 +304,11 @@ def grid_shard(
         device_type: str,
         sharder: ModuleSharder[Any],
     ) -> ParameterSharding:
-        ranks = [r for h in hosts for r in _node_ranks(h, local_size, world_size, "grid_shard")]
+        ranks = ranks_of(param, local_size, world_size)
         return _sharding(
-            ShardingType.GRID_SHARD,
-            param,
-            ranks,
-            device_type,
-            device_type,
-            sharder,
-            compute_kernel,
+            kind, param, ranks, device or device_type, device_type, sharder, compute_kernel,
             local_size,
-        )
+        )  # fmt: skip
 
     return generate
 
