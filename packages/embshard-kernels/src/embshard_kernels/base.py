@@ -28,6 +28,9 @@ class BaseBatchedEmbedding(nn.Module):
         self._config = config
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._layout = FeatureLayout(config)
+        # Off only when every batch reaching the kernel was already checked upstream (a sharded
+        # collection checks the caller's batch at its boundary and routes it with its own code).
+        self.check_inputs = True
         self.register_load_state_dict_post_hook(_purge_after_load)
 
     # -- construction helpers for subclasses ----------------------------------------------

@@ -167,7 +167,8 @@ class _DenseKernel(BaseBatchedEmbedding):
 
     def _input(self, features: KeyedJaggedTensor) -> TBEInput:
         if not torch.compiler.is_compiling():
-            check_features(features, self._layout)
+            if self.check_inputs:
+                check_features(features, self._layout)
             return to_tbe_input(features, weighted=self._config.is_weighted)
         args = to_tbe_input(features, weighted=self._config.is_weighted)
         traced_bounds_check(

@@ -150,7 +150,8 @@ class _FusedKernel(BaseBatchedEmbedding):
         Pooled: ``[batch, sum of dims]`` (flat when batch sizes vary); sequence: ``[ids, dim]``.
         Bad input raises (see ``check_features``) before anything changes.
         """
-        if not torch.compiler.is_compiling():  # data-dependent checks; traced graphs skip them
+        # data-dependent checks: traced graphs skip them
+        if self.check_inputs and not torch.compiler.is_compiling():
             check_features(features, self._layout)
         args = to_tbe_input(features, weighted=self._config.is_weighted)
         out: Tensor = self._emb_module(*args)

@@ -184,6 +184,9 @@ class ShardedEmbeddingCollection(
             weighted=False,
             check_inputs=check_inputs,
         )
+        if self._gate.enabled:  # checked once, here: the kernels need not check again
+            for lookup in self._lookups:
+                lookup.trust_inputs()
         self._fused_optim = combine_optimizers(
             [o for lookup in self._lookups for o in lookup.fused_optimizers()], _ATTR
         )

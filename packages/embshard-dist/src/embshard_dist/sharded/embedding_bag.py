@@ -151,6 +151,9 @@ class ShardedEmbeddingBagCollection(
         )
         self._keys = [f for c in configs for f in c.feature_names]
         self._gate = _input_gate(configs, self._is_weighted, check_inputs)
+        if self._gate.enabled:  # checked once, here: the kernels need not check again
+            for lookup in self._lookups:
+                lookup.trust_inputs()
         dims = {f: c.embedding_dim for c in configs for f in c.feature_names}
         self._dims = [dims[f] for f in self._keys]
         self._columns = _column_index(self._shardings, self._keys, dims)

@@ -136,6 +136,13 @@ class GroupedBagLookup(nn.Module):
     def feature_names(self) -> list[str]:
         return list(self._order)
 
+    def trust_inputs(self) -> None:
+        """Stop the kernels checking each batch: the owning collection checks every caller's batch
+        at its boundary, and what reaches the kernels is routed from those by embshard's code."""
+        for kernel in self.kernels:
+            assert isinstance(kernel, BaseBatchedEmbedding)
+            kernel.check_inputs = False
+
     def prepare_backward(self) -> None:
         """Let the kernels prepare their backward while the output dist's collective runs."""
         for kernel in self.kernels:
