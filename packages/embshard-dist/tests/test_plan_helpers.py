@@ -20,6 +20,7 @@ from embshard_dist.sharded.plan_helpers import (
     table_row_wise,
     table_wise,
 )
+from embshard_dist.sharded.quant_embedding_bag import QuantEmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_types.configs import EmbeddingBagConfig, EmbeddingConfig
 from embshard_types.env import ShardingEnv
@@ -185,6 +186,10 @@ def test_world_size_needed_without_a_process_group() -> None:
 
 def test_default_sharders_and_lazy_exports() -> None:
     kinds = [type(s) for s in get_default_sharders()]
-    assert kinds == [EmbeddingBagCollectionSharder, EmbeddingCollectionSharder]
+    assert kinds == [
+        EmbeddingBagCollectionSharder,
+        EmbeddingCollectionSharder,
+        QuantEmbeddingBagCollectionSharder,
+    ]
     assert embshard_dist.construct_module_sharding_plan is construct_module_sharding_plan
     assert embshard_dist.table_wise is table_wise and embshard_dist.grid_shard is grid_shard

@@ -185,3 +185,15 @@ def test_a_table_without_options_is_named() -> None:
     )
     with pytest.raises(ValueError, match="table 't' has no sharding option on cpu with 2 ranks"):
         enumerate_options(loaded, [DefaultCapabilities()], model)
+
+
+def test_quantized_tables_are_priced_as_packed_rows_without_optimizer_state() -> None:
+    model = CostModel(Topology(world_size=2), ADAGRAD_RW)
+    fp32 = _loaded(PlannerTable("t", 1000, 16))
+    int8 = _loaded(PlannerTable("t", 1000, 16, data_type="int8"))
+    trained = holder_cost(fp32, ShardingType.TABLE_WISE, ComputeKernel.FUSED, 1000, 16, model)
+    served = holder_cost(int8, ShardingType.TABLE_WISE, ComputeKernel.QUANT, 1000, 16, model)
+    buffers = trained.storage - (1000 * 16 * 4 + 1000 * 4)
+    # 16 int8 values and an fp16 scale and bias per row; no backward.
+    assert served.storage == 1000 * (16 + 4) + buffers
+    assert served.compute_s < trained.compute_s

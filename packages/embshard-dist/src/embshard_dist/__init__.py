@@ -46,6 +46,10 @@ if TYPE_CHECKING:
         table_row_wise,
         table_wise,
     )
+    from embshard_dist.sharded.quant_embedding_bag import (
+        QuantEmbeddingBagCollectionSharder,
+        ShardedQuantEmbeddingBagCollection,
+    )
 
 _LAZY: dict[str, str] = {
     "CollectiveError": "embshard_dist.comm.timeouts",
@@ -57,6 +61,8 @@ _LAZY: dict[str, str] = {
     "EmbeddingShardingPlanner": "embshard_dist.planner.planner",
     "ParameterConstraints": "embshard_dist.planner.constraints",
     "QCommsConfig": "embshard_dist.comm.qcomms",
+    "QuantEmbeddingBagCollectionSharder": "embshard_dist.sharded.quant_embedding_bag",
+    "ShardedQuantEmbeddingBagCollection": "embshard_dist.sharded.quant_embedding_bag",
     "ShardedEmbeddingBagCollection": "embshard_dist.sharded.embedding_bag",
     "ShardedEmbeddingCollection": "embshard_dist.sharded.embedding",
     "Topology": "embshard_dist.planner.topology",
@@ -86,6 +92,8 @@ __all__ = [
     "EmbeddingShardingPlanner",
     "ParameterConstraints",
     "QCommsConfig",
+    "QuantEmbeddingBagCollectionSharder",
+    "ShardedQuantEmbeddingBagCollection",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "Topology",

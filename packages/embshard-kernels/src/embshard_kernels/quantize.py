@@ -10,6 +10,8 @@ The float tables are released once quantized; nothing is trained afterwards.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor, nn
 
@@ -19,6 +21,7 @@ from embshard_kernels.quant import (
     QUANT_TYPES,
     QuantBatchedEmbedding,
     QuantBatchedEmbeddingBag,
+    QuantTableWeight,
 )
 from embshard_types.configs import EmbeddingBagConfig, EmbeddingConfig
 from embshard_types.sparse.jagged import JaggedTensor
@@ -62,15 +65,19 @@ class QuantEmbeddingBagCollection(nn.Module):
         self.kernels = nn.ModuleList(
             QuantBatchedEmbeddingBag.from_float(k, dt) for k in ebc._live_kernels()
         )
-        self._configs = ebc.embedding_bag_configs()
+        self._configs = [replace(c, data_type=dt) for c in ebc.embedding_bag_configs()]
         self._is_weighted = ebc.is_weighted()
         self._keys = list(ebc._keys)
         self._dims = list(ebc._dims)
         self._reorder = ebc._reorder
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        """The float collection's table configs."""
+        """The float collection's table configs, with the quantized data type."""
         return list(self._configs)
+
+    def packed_tables(self) -> dict[str, QuantTableWeight]:
+        """Per table, its packed rows and their fp16 scale and bias (live buffers)."""
+        return _packed_tables(self.kernels)
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -108,12 +115,16 @@ class QuantEmbeddingCollection(nn.Module):
         self.kernels = nn.ModuleList(
             QuantBatchedEmbedding.from_float(k, dt) for k in ec._live_kernels()
         )
-        self._configs = ec.embedding_configs()
+        self._configs = [replace(c, data_type=dt) for c in ec.embedding_configs()]
         self._keys = list(ec._keys)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
-        """The float collection's table configs."""
+        """The float collection's table configs, with the quantized data type."""
         return list(self._configs)
+
+    def packed_tables(self) -> dict[str, QuantTableWeight]:
+        """Per table, its packed rows and their fp16 scale and bias (live buffers)."""
+        return _packed_tables(self.kernels)
 
     def quantization_error(self) -> dict[str, float]:
         """Per table, the largest absolute error of its dequantized weights."""
@@ -192,3 +203,11 @@ def _check_input(features: object, module: str) -> None:
             f"{module} takes a KeyedJaggedTensor, got {type(features).__name__}; build one "
             "with KeyedJaggedTensor.from_lengths_sync(keys=..., values=..., lengths=...)"
         )
+
+
+def _packed_tables(kernels: nn.ModuleList) -> dict[str, QuantTableWeight]:
+    return {
+        t.name: k.table_weight(t.name)
+        for k in _quant_kernels(kernels)
+        for t in k.config.embedding_tables
+    }

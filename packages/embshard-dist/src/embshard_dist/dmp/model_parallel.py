@@ -444,12 +444,14 @@ def _default_sharders(
 ) -> list[ModuleSharder[Any]]:
     from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
     from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
+    from embshard_dist.sharded.quant_embedding_bag import QuantEmbeddingBagCollectionSharder
 
     return [
         EmbeddingBagCollectionSharder(
             optimizer=spec, qcomm_codecs_registry=registry, local_world_size=local_world_size
         ),
         EmbeddingCollectionSharder(optimizer=spec, qcomm_codecs_registry=registry),
+        QuantEmbeddingBagCollectionSharder(qcomm_codecs_registry=registry),
     ]
 
 

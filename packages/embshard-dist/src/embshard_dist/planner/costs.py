@@ -43,6 +43,8 @@ DENSE_PASSES = 10
 dense gradient and the torch optimizer's step each sweep the whole shard at memory bandwidth."""
 
 _LENGTH_BYTES = 4
+QUANT_ROW_BYTES = 4
+"""A row-wise quantized row's fp16 scale and bias, as FBGEMM packs them."""
 _COLLECTIVES_PER_TYPE = 4  # per type, a collective per: ids splits, ids values, output, gradient
 _COLLECTIVES_DATA_PARALLEL = 2
 
@@ -177,9 +179,15 @@ def holder_cost(
     eb = lt.table.element_bytes
     fwd_bytes = ids_in * cols * eb + global_outputs * cols * lt.output_bytes
     compute = _forward_s(topo.throughput(kernel), fwd_bytes, touched * cols * eb)
-    compute += _backward_s(kernel, fwd_bytes, rows, cols, touched, lt, model)
+    if kernel is ComputeKernel.QUANT:
+        # Inference: no backward and no optimizer state; each packed row keeps its fp16
+        # scale and bias.
+        row_extra = QUANT_ROW_BYTES if lt.table.data_type.is_quantized else 0
+        table_bytes = rows * (cols * eb + row_extra)
+    else:
+        compute += _backward_s(kernel, fwd_bytes, rows, cols, touched, lt, model)
+        table_bytes = rows * (cols * eb + model.state_bytes_per_row(cols))
     compute *= compute_scale(sharding_type, model)
-    table_bytes = rows * (cols * eb + model.state_bytes_per_row(cols))
     buffers = in_bytes + 2 * out_bytes
     if kernel is ComputeKernel.DENSE:
         buffers += rows * cols * 4

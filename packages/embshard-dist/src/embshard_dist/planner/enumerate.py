@@ -230,8 +230,13 @@ def _kernels(
             accepted.append(kernel)
         else:
             reasons[why] = None
-    if not accepted and not wanted and ComputeKernel.DENSE in offered:
-        accepted = [ComputeKernel.DENSE]
+    if not accepted and not wanted:
+        # A sharder of quantized collections offers only ``quant``; a shape no fused kernel
+        # takes gets ``dense``.
+        fallback: list[ComputeKernel] = [
+            k for k in (ComputeKernel.DENSE, ComputeKernel.QUANT) if k in offered
+        ]
+        accepted = fallback[:1]
     accepted.sort(key=lambda k: k is not ComputeKernel.FUSED)
     return accepted
 

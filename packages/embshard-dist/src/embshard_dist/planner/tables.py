@@ -113,8 +113,14 @@ TableSource = nn.Module | Sequence[PlannerTable | BaseEmbeddingConfig | tuple[st
 
 def _collection_types() -> tuple[type[nn.Module], ...]:
     from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
+    from embshard_kernels.quantize import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 
-    return (EmbeddingBagCollection, EmbeddingCollection)
+    return (
+        EmbeddingBagCollection,
+        EmbeddingCollection,
+        QuantEmbeddingBagCollection,
+        QuantEmbeddingCollection,
+    )
 
 
 def _configs(module: nn.Module) -> Iterable[BaseEmbeddingConfig]:

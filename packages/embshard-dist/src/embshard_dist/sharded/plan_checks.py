@@ -28,8 +28,9 @@ from embshard_types.vocab import ComputeKernel, ShardingType
 _FUSED = (ComputeKernel.FUSED, ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 _NOT_SHARDED = {
     ComputeKernel.QUANT: (
-        "it is the inference-only quantized kernel (embshard_kernels.quant), and sharded "
-        "collections train; quantize the unsharded model for inference instead"
+        "it is the inference-only quantized kernel (embshard_kernels.quant), and this "
+        "collection trains; quantize the model first (quantize_embeddings), whose "
+        "QuantEmbeddingBagCollection the default sharders shard for inference"
     ),
     ComputeKernel.KEY_VALUE: (
         "it is FBGEMM's key-value (SSD) kernel, which runs on CUDA only and which the sharders "

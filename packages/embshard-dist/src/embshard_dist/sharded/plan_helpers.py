@@ -18,6 +18,7 @@ from torch import nn
 
 from embshard_dist.sharded.embedding import EmbeddingCollectionSharder
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
+from embshard_dist.sharded.quant_embedding_bag import QuantEmbeddingBagCollectionSharder
 from embshard_dist.strategies.layout import (
     column_wise_dims,
     column_wise_specs,
@@ -53,13 +54,18 @@ Kernel = ComputeKernel | str | None
 
 
 def get_default_sharders() -> list[ModuleSharder[Any]]:
-    """embshard's sharders for ``EmbeddingBagCollection`` and ``EmbeddingCollection``.
+    """embshard's sharders for ``EmbeddingBagCollection``, ``EmbeddingCollection`` and
+    (for inference) ``QuantEmbeddingBagCollection``.
 
     They run the optimizer the collections were built with (or that DistributedModelParallel
-    gives them); TorchRec's list also holds quantized and managed-collision sharders, which
-    embshard does not shard.
+    gives them); TorchRec's list also holds managed-collision sharders, which embshard does not
+    shard.
     """
-    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+    return [
+        EmbeddingBagCollectionSharder(),
+        EmbeddingCollectionSharder(),
+        QuantEmbeddingBagCollectionSharder(),
+    ]
 
 
 def construct_module_sharding_plan(

@@ -18,6 +18,7 @@ from embshard_kernels.dense import BatchedDenseEmbedding, BatchedDenseEmbeddingB
 from embshard_kernels.fused import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
 from embshard_kernels.grouping import GroupedEmbeddingConfig, ShardedTableConfig, group_tables
 from embshard_kernels.lookup import arrange_pooled, split_pooled
+from embshard_kernels.quant import QuantBatchedEmbeddingBag
 from embshard_kernels.tbe import Backend
 from embshard_kernels.torch_fused import TorchFusedTBE
 from embshard_optim.keyed import KeyedOptimizer
@@ -68,7 +69,9 @@ def build_bag_kernel(
     backend: Backend = "auto",
     state_format: StateFormat | None = None,
 ) -> BaseBatchedEmbedding:
-    """The training kernel of one group of shards (weights left uninitialised).
+    """The kernel of one group of shards (weights left uninitialised).
+
+    Training kernels (fused, dense); ``quant`` (pooled) for sharded inference.
 
     Raises:
         ValueError: the group's kernel is not a training kernel this package shards.
@@ -90,6 +93,9 @@ def build_bag_kernel(
     if kernel is ComputeKernel.DENSE:
         dense = BatchedDenseEmbedding if sequence else BatchedDenseEmbeddingBag
         return dense(group, options.device, init_weights=False)
+    if kernel is ComputeKernel.QUANT and not sequence:
+        # Inference only (sharded quantized collections); filled from the packed tables.
+        return QuantBatchedEmbeddingBag(group, options.device)
     raise ValueError(
         f"tables {group.table_names()}: compute kernel {kernel.value!r} cannot be sharded for "
         "training; use 'fused' or 'dense'"
