@@ -1,22 +1,35 @@
 """Training metrics reduced across ranks, with TorchRec's names (``torchrec.metrics``).
 
-Each rank keeps partial statistics (sums, or for AUC sorted unique scores with their positive and
-negative weights); ``compute()`` reduces them over the process group, so every rank gets the
-value of the concatenated predictions. Keys read ``{namespace}-{task}|{lifetime|window}_{name}``,
-e.g. ``ne-DefaultTask|lifetime_ne``.
+Built on torchmetrics: each task's metric is a ``torchmetrics.Metric`` whose states are
+fixed-size tables of weighted sums (for AUC a score histogram), synced by one all-reduce per
+state, so every rank gets the value of the concatenated predictions while ranks exchange only
+these partial statistics, never predictions. Keys read
+``{namespace}-{task}|{lifetime|window}_{name}``, e.g. ``ne-DefaultTask|lifetime_ne``.
+Importing this package imports torchmetrics; ``import embshard_dist`` does not.
 """
 
-from embshard_dist.metrics.auc import AUCMetric
+from embshard_dist.metrics.auc import AUCMetric, AUCMetricComputation
 from embshard_dist.metrics.base import RecMetric
-from embshard_dist.metrics.ne import NEMetric
-from embshard_dist.metrics.pointwise import AccuracyMetric, CalibrationMetric
+from embshard_dist.metrics.computation import RecMetricComputation
+from embshard_dist.metrics.ne import NEMetric, NEMetricComputation
+from embshard_dist.metrics.pointwise import (
+    AccuracyMetric,
+    AccuracyMetricComputation,
+    CalibrationMetric,
+    CalibrationMetricComputation,
+)
 from embshard_dist.metrics.throughput import ThroughputMetric
 
 __all__ = [
     "AUCMetric",
+    "AUCMetricComputation",
     "AccuracyMetric",
+    "AccuracyMetricComputation",
     "CalibrationMetric",
+    "CalibrationMetricComputation",
     "NEMetric",
+    "NEMetricComputation",
     "RecMetric",
+    "RecMetricComputation",
     "ThroughputMetric",
 ]

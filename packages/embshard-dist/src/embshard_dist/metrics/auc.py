@@ -1,73 +1,117 @@
-"""Exact AUC across ranks from a mergeable summary, not from the gathered predictions.
+"""AUC across ranks from a fixed-size score histogram, never from gathered predictions.
 
-A rank's state is its *score table*: the sorted distinct scores with the weight of positives
-and of negatives at each. Tables merge exactly (union of scores, weights added), so the merged
-table of every rank's table is the table of the concatenated predictions, and the AUC computed
-from it equals the AUC of the concatenated predictions (ties count one half, as scikit-learn's
-``roc_auc_score``). Communication per ``compute()`` is three float64 values per distinct score
-a rank holds, and a table never grows past the number of distinct scores, which for float32
-probabilities is bounded whatever the number of samples. A set without positives or without
-negatives has AUC 0.5 (TorchRec's convention).
+The table has a row per score cell, ``floor(p * num_bins)`` for ``p`` in ``[0, 1]`` (``p = 1``
+has its own cell), holding the weight of positives and of negatives whose prediction falls in
+it. Tables add, so the all-reduced table is the table of the concatenated predictions, and its
+AUC is that of the concatenated predictions: the weighted probability that a positive
+outscores a negative, pairs in one cell counting one half. That is scikit-learn's
+``roc_auc_score`` (ties count one half) whenever no cell holds a positive and a negative with
+different scores, e.g. for predictions that are multiples of ``1 / num_bins`` (with
+``num_bins`` a power of two, the cell of a float32 prediction is computed exactly) or any
+predictions whose distinct values are further apart than ``1 / num_bins``. Otherwise each such
+pair is off by at most one half, so the AUC is off by at most :func:`auc_tie_bound` of the
+table. A set without positives or without negatives has AUC 0.5 (TorchRec's convention).
+Communication per ``compute()`` is one all-reduce of ``2 * (num_bins + 1)`` float64 per table,
+whatever the number of samples.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 
-from embshard_dist.metrics.base import RecMetric
-from embshard_dist.metrics.reduce import gather_rows
+from embshard_dist.metrics.base import DEFAULT_TASK, DEFAULT_WINDOW_SIZE, RecMetric
+from embshard_dist.metrics.computation import RecMetricComputation, Rows
 
-ScoreTable = torch.Tensor
-"""[k, 3] float64: ascending distinct scores, positive weight, negative weight."""
-
-
-def score_table(p: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> ScoreTable:
-    """The score table of predictions ``p``, labels ``y`` (0 / 1) and weights ``w``."""
-    scores, inverse = torch.unique(p.double(), sorted=True, return_inverse=True)
-    table = torch.zeros(scores.numel(), 3, dtype=torch.float64)
-    table[:, 0] = scores
-    table[:, 1].index_add_(0, inverse, (w * y).double())
-    table[:, 2].index_add_(0, inverse, (w * (1 - y)).double())
-    return table
+DEFAULT_NUM_BINS = 1 << 20
 
 
-def merge_tables(tables: list[ScoreTable]) -> ScoreTable:
-    """One table for the samples of ``tables`` (exact)."""
-    rows = torch.cat(tables)
-    scores, inverse = torch.unique(rows[:, 0], sorted=True, return_inverse=True)
-    out = torch.zeros(scores.numel(), 3, dtype=torch.float64)
-    out[:, 0] = scores
-    out[:, 1:].index_add_(0, inverse, rows[:, 1:])
-    return out
+def score_cells(p: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """The cell (int64) of each probability in ``p``: ``floor(p * num_bins)``, at most ``num_bins``."""
+    return torch.floor(p.double() * num_bins).long().clamp_(0, num_bins)
 
 
-def auc_of_table(table: ScoreTable) -> torch.Tensor:
-    """Probability that a positive outscores a negative (ties: one half), weighted."""
-    pos, neg = table[:, 1], table[:, 2]
+def histogram_rows(p: torch.Tensor, y: torch.Tensor, w: torch.Tensor, num_bins: int) -> Rows:
+    """The occupied cells of a batch and their ``[positive, negative]`` weights."""
+    cells, inverse = torch.unique(score_cells(p, num_bins), sorted=True, return_inverse=True)
+    values = torch.zeros(cells.numel(), 2, dtype=torch.float64, device=p.device)
+    values.index_add_(0, inverse, torch.stack([w * y, w * (1 - y)], dim=1).double())
+    return cells, values
+
+
+def auc_of_table(table: torch.Tensor) -> torch.Tensor:
+    """Probability that a positive outscores a negative (one cell: one half), weighted."""
+    pos, neg = table[:, 0], table[:, 1]
     total_pos, total_neg = pos.sum(), neg.sum()
     if total_pos <= 0 or total_neg <= 0:
-        return torch.tensor(0.5, dtype=torch.float64)
+        return torch.tensor(0.5, dtype=torch.float64, device=table.device)
     neg_below = torch.cumsum(neg, 0) - neg
     return (pos * (neg_below + 0.5 * neg)).sum() / (total_pos * total_neg)
 
 
-class AUCMetric(RecMetric[ScoreTable]):
-    """``auc-{task}|lifetime_auc`` / ``window_auc``, exact (see the module doc)."""
+def auc_tie_bound(table: torch.Tensor) -> torch.Tensor:
+    """How far :func:`auc_of_table` can be from the exact AUC: half the weight share of
+    positive-negative pairs that share a cell (0 when no cell holds both)."""
+    pos, neg = table[:, 0], table[:, 1]
+    total = pos.sum() * neg.sum()
+    if total <= 0:
+        return torch.tensor(0.0, dtype=torch.float64, device=table.device)
+    return 0.5 * (pos * neg).sum() / total
+
+
+class AUCMetricComputation(RecMetricComputation):
+    """AUC of one task (a ``torchmetrics.Metric``; see the module doc)."""
+
+    higher_is_better = True
+
+    def __init__(
+        self,
+        *,
+        num_bins: int = DEFAULT_NUM_BINS,
+        window_size: int,
+        process_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
+    ) -> None:
+        if num_bins < 1:
+            raise ValueError(f"{name or 'AUC'}: num_bins must be >= 1, got {num_bins}")
+        super().__init__(
+            num_bins + 1, 2, window_size=window_size, process_group=process_group, name=name
+        )
+        self.num_bins = num_bins
+
+    def batch_stats(self, p: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> Rows:
+        return histogram_rows(p, y, w, self.num_bins)
+
+    def value(self, table: torch.Tensor) -> torch.Tensor:
+        return auc_of_table(table)
+
+
+class AUCMetric(RecMetric):
+    """``auc-{task}|lifetime_auc`` / ``window_auc`` (see the module doc).
+
+    Args:
+        num_bins: score cells over ``[0, 1]`` (a power of two keeps cells exact for float32).
+    """
 
     namespace = "auc"
     metric_name = "auc"
 
-    def empty(self) -> ScoreTable:
-        return torch.zeros(0, 3, dtype=torch.float64)
+    def __init__(
+        self,
+        tasks: Sequence[str] = (DEFAULT_TASK,),
+        *,
+        num_bins: int = DEFAULT_NUM_BINS,
+        window_size: int = DEFAULT_WINDOW_SIZE,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.num_bins = num_bins
+        super().__init__(tasks, window_size=window_size, group=group)
 
-    def batch_state(self, p: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> ScoreTable:
-        return score_table(p, y, w)
-
-    def merge(self, states: list[ScoreTable]) -> ScoreTable:
-        return merge_tables(states)
-
-    def reduce(self, state: ScoreTable, name: str) -> ScoreTable:
-        return merge_tables(gather_rows(state, self.group, name))
-
-    def value(self, state: ScoreTable) -> torch.Tensor:
-        return auc_of_table(state)
+    def make_computation(
+        self, *, window_size: int, group: dist.ProcessGroup | None, name: str
+    ) -> AUCMetricComputation:
+        return AUCMetricComputation(
+            num_bins=self.num_bins, window_size=window_size, process_group=group, name=name
+        )

@@ -1,35 +1,41 @@
-"""``RecMetric``: lifetime and sliding-window values of one metric for one or more tasks.
+"""``RecMetric``: one metric over one or more tasks, lifetime and windowed, TorchRec's keys.
 
-A subclass says how a batch becomes a state (``batch_state``), how states merge (``merge``), how
-a state is reduced over the ranks (``reduce``) and how a reduced state becomes the value
-(``value``). The window holds the latest updates whose samples (on this rank) add up to at
-most ``window_size``, and always the latest update. ``compute()`` is a collective: every rank
-of the group calls it together.
+A ``RecMetric`` is an ``nn.Module`` holding one
+:class:`~embshard_dist.metrics.computation.RecMetricComputation` (a ``torchmetrics.Metric``) per
+task, as TorchRec's. ``update`` checks every task's batch before any state changes;
+``compute()`` is a collective (every rank of the group calls it together) returning
+``{namespace}-{task}|lifetime_{name}`` and ``..|window_{name}``, reduced over the group.
+``window_size`` counts samples over the group, as TorchRec's: each rank keeps its latest
+``ceil(window_size / world_size)`` samples, and always its latest batch.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections import deque
+import math
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from embshard_dist.metrics.computation import RecMetricComputation
+from embshard_dist.metrics.inputs import Batch, prepare_batch
+from embshard_dist.metrics.reduce import world_size
 
 DEFAULT_TASK = "DefaultTask"
 DEFAULT_WINDOW_SIZE = 10_000_000
 
-S = TypeVar("S")
 Preds = torch.Tensor | Mapping[str, torch.Tensor]
 
 
-class RecMetric(ABC, Generic[S]):
+class RecMetric(nn.Module):
     """One metric over ``tasks``, lifetime and windowed.
 
     Args:
         tasks: task names; ``update`` takes a tensor per task (a mapping) or, for one task, a tensor.
-        window_size: samples (on this rank) the window covers.
+        window_size: samples over the group the window covers.
         group: the process group to reduce over (default: the default group, if any).
     """
 
@@ -43,6 +49,7 @@ class RecMetric(ABC, Generic[S]):
         window_size: int = DEFAULT_WINDOW_SIZE,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        super().__init__()
         if not tasks or len(set(tasks)) != len(tasks):
             raise ValueError(f"{self.namespace}: need distinct task names, got {list(tasks)}")
         if window_size <= 0:
@@ -50,12 +57,30 @@ class RecMetric(ABC, Generic[S]):
         self.tasks = list(tasks)
         self.window_size = window_size
         self.group = group
-        self.reset()
+        local_window = math.ceil(window_size / world_size(group))
+        self.computations = nn.ModuleList(  # in the order of ``tasks``
+            self.make_computation(
+                window_size=local_window, group=group, name=f"{self.namespace}-{t}"
+            )
+            for t in self.tasks
+        )
+
+    @abstractmethod
+    def make_computation(
+        self, *, window_size: int, group: dist.ProcessGroup | None, name: str
+    ) -> RecMetricComputation:
+        """The computation of one task."""
+
+    def computation(self, task: str) -> RecMetricComputation:
+        """The ``torchmetrics.Metric`` of ``task``."""
+        comp = self.computations[self.tasks.index(task)]
+        assert isinstance(comp, RecMetricComputation)
+        return comp
 
     def reset(self) -> None:
         """Forget every update."""
-        self._lifetime: dict[str, S] = {t: self.empty() for t in self.tasks}
-        self._window: dict[str, deque[tuple[int, S]]] = {t: deque() for t in self.tasks}
+        for task in self.tasks:
+            self.computation(task).reset()
 
     def _per_task(self, x: Preds | None, what: str) -> dict[str, torch.Tensor | None]:
         if x is None:
@@ -77,50 +102,20 @@ class RecMetric(ABC, Generic[S]):
         """Add a batch: predicted probabilities, labels in [0, 1], optional sample weights."""
         preds, labs = self._per_task(predictions, "predictions"), self._per_task(labels, "labels")
         ws = self._per_task(weights, "weights")
-        for task in self.tasks:
-            p, y, w = preds[task], labs[task], ws[task]
+        batches: dict[str, Batch] = {}
+        for task in self.tasks:  # check every task before any state changes
+            p, y = preds[task], labs[task]
             assert p is not None and y is not None
-            p, y = p.detach().reshape(-1).double(), y.detach().reshape(-1).double()
-            w = torch.ones_like(p) if w is None else w.detach().reshape(-1).double()
-            if not p.shape == y.shape == w.shape:
-                raise ValueError(
-                    f"{self.namespace}, task {task!r}: predictions {tuple(p.shape)}, labels "
-                    f"{tuple(y.shape)} and weights {tuple(w.shape)} must have one value per sample"
-                )
-            state = self.batch_state(p, y, w)
-            self._lifetime[task] = self.merge([self._lifetime[task], state])
-            window = self._window[task]
-            window.append((p.numel(), state))
-            total = sum(n for n, _ in window)
-            while len(window) > 1 and total > self.window_size:
-                total -= window.popleft()[0]
+            comp = self.computation(task)
+            batches[task] = prepare_batch(p, y, ws[task], where=comp.name, device=comp.device)
+        for task, batch in batches.items():
+            self.computation(task).update(*batch)
 
     def compute(self) -> dict[str, torch.Tensor]:
         """``{namespace}-{task}|lifetime_{name}`` and ``..|window_{name}`` for every task."""
         out: dict[str, torch.Tensor] = {}
         for task in self.tasks:
-            window = self.merge([s for _, s in self._window[task]] or [self.empty()])
-            for prefix, state in (("lifetime", self._lifetime[task]), ("window", window)):
-                reduced = self.reduce(state, f"{self.namespace}.{task}.{prefix}")
-                out[f"{self.namespace}-{task}|{prefix}_{self.metric_name}"] = self.value(reduced)
+            values = self.computation(task).compute()
+            for prefix in ("lifetime", "window"):
+                out[f"{self.namespace}-{task}|{prefix}_{self.metric_name}"] = values[prefix]
         return out
-
-    @abstractmethod
-    def empty(self) -> S:
-        """The state of no samples."""
-
-    @abstractmethod
-    def batch_state(self, p: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> S:
-        """The state of one batch (float64 predictions, labels, weights)."""
-
-    @abstractmethod
-    def merge(self, states: list[S]) -> S:
-        """One state for the samples of ``states``."""
-
-    @abstractmethod
-    def reduce(self, state: S, name: str) -> S:
-        """The state of every rank's samples (a collective)."""
-
-    @abstractmethod
-    def value(self, state: S) -> torch.Tensor:
-        """The metric of a (reduced) state."""

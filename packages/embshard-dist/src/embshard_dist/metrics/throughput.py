@@ -1,8 +1,12 @@
 """Throughput across ranks: examples per second, lifetime and over a sliding time window.
 
-``compute()`` sums the ranks' examples and takes the longest rank's elapsed time, so the value
-is the job's rate even when ranks see different batch sizes. Keys follow TorchRec:
-``throughput-throughput|total_examples``, ``|lifetime_throughput``, ``|window_throughput``.
+``ThroughputMetric`` is a ``torchmetrics.Metric`` whose states are all sums over the ranks: the
+examples, and each rank's rates. A rank's lifetime rate is its examples over the seconds from
+``reset`` (or construction) to its latest ``update``; its window rate counts the updates of the
+last ``window_seconds`` before its latest one, over that span (shorter while the job is
+younger). The job's rate is the sum of its ranks' rates, so it holds with unequal batch sizes.
+Keys follow TorchRec: ``throughput-throughput|total_examples``, ``|lifetime_throughput``,
+``|window_throughput``; ``compute()`` is a collective over ``group``.
 """
 
 from __future__ import annotations
@@ -10,17 +14,19 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchmetrics import Metric
 
-from embshard_dist.metrics.reduce import sum_over_ranks
+from embshard_dist.metrics.reduce import all_reduce_states
 
 DEFAULT_WINDOW_SECONDS = 100.0
 _PREFIX = "throughput-throughput|"
 
 
-class ThroughputMetric:
+class ThroughputMetric(Metric):
     """Counts examples; rates in examples per second.
 
     Args:
@@ -29,6 +35,13 @@ class ThroughputMetric:
         group: the process group to reduce over (default: the default group, if any).
         clock: seconds, monotonic (a parameter for tests).
     """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+    examples: torch.Tensor
+    rate: torch.Tensor
+    window_rate: torch.Tensor
 
     def __init__(
         self,
@@ -40,40 +53,51 @@ class ThroughputMetric:
     ) -> None:
         if batch_size <= 0 or window_seconds <= 0:
             raise ValueError(
-                f"batch_size and window_seconds must be positive, got {batch_size}, {window_seconds}"
+                f"throughput: batch_size and window_seconds must be positive, got {batch_size}, "
+                f"{window_seconds}"
             )
+        super().__init__(process_group=group, dist_sync_fn=all_reduce_states)
         self.batch_size, self.window_seconds, self.group = batch_size, window_seconds, group
         self._clock = clock
-        self.reset()
+        for state in ("examples", "rate", "window_rate"):
+            self.add_state(state, torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self._window: deque[tuple[float, int]] = deque()
+        self._window_examples = 0
+        self._start = self._clock()
 
     def reset(self) -> None:
         """Start counting again from now."""
+        super().reset()
+        self._window.clear()
+        self._window_examples = 0
         self._start = self._clock()
-        self._total = 0
-        self._window: deque[tuple[float, int]] = deque()
 
     def update(self, num_examples: int | None = None) -> None:
         """Count a step of ``num_examples`` (default ``batch_size``) on this rank."""
-        n = self.batch_size if num_examples is None else num_examples
+        n = self.batch_size if num_examples is None else int(num_examples)
         if n < 0:
-            raise ValueError(f"num_examples must be >= 0, got {n}")
+            raise ValueError(f"throughput: num_examples must be >= 0, got {n}")
         now = self._clock()
-        self._total += n
         self._window.append((now, n))
-        while self._window and self._window[0][0] < now - self.window_seconds:
-            self._window.popleft()
+        self._window_examples += n
+        while self._window[0][0] <= now - self.window_seconds:
+            self._window_examples -= self._window.popleft()[1]
+        elapsed = now - self._start
+        span = min(self.window_seconds, elapsed)
+        self.examples += n
+        self.rate.fill_(float(self.examples) / elapsed if elapsed > 0 else 0.0)
+        self.window_rate.fill_(self._window_examples / span if span > 0 else 0.0)
 
     def compute(self) -> dict[str, torch.Tensor]:
-        """Total examples and rates (a collective: every rank calls it together)."""
-        now = self._clock()
-        window = [(t, n) for t, n in self._window if t >= now - self.window_seconds]
-        since = min((t for t, _ in window), default=now)
-        counts = torch.tensor([self._total, sum(n for _, n in window)], dtype=torch.float64)
-        spans = torch.tensor([now - self._start, now - since], dtype=torch.float64)
-        counts = sum_over_ranks(counts, self.group, "throughput.examples")
-        spans = sum_over_ranks(spans, self.group, "throughput.seconds", dist.ReduceOp.MAX)
+        """Total examples and rates of every rank (a collective)."""
         return {
-            f"{_PREFIX}total_examples": counts[0],
-            f"{_PREFIX}lifetime_throughput": counts[0] / spans[0].clamp_min(1e-9),
-            f"{_PREFIX}window_throughput": counts[1] / spans[1].clamp_min(1e-9),
+            f"{_PREFIX}total_examples": self.examples,
+            f"{_PREFIX}lifetime_throughput": self.rate,
+            f"{_PREFIX}window_throughput": self.window_rate,
         }
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "throughput: call update() per step and compute() for the values; forward() would "
+            "restart the clock"
+        )
