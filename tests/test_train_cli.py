@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -34,11 +35,16 @@ def _report(folder: str) -> int:
     return 0
 
 
-def _rank1_fails(code: int) -> int:
+def _rank1_fails(how: str, folder: str) -> int:
     if dist.get_rank() == 1:
-        if code == 1:
+        barrier()  # rank 0 has written its pid
+        if how == "raise":
             raise ValueError("rank one gives up")
-        sys.exit(code)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(int(how))
+    Path(folder, "rank0.pid").write_text(str(os.getpid()))
+    barrier()
     time.sleep(120)  # rank 0 never notices: the launcher must stop it
     return 0
 
@@ -52,17 +58,26 @@ def test_launch_runs_every_rank_in_one_group(tmp_path: Path) -> None:
     assert second.split()[2] == "1" and first.split()[3] == second.split()[3]
 
 
-@pytest.mark.parametrize("code", [1, 3])
-def test_launch_propagates_a_failing_rank(code: int, capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("how", "code"), [("raise", 1), ("3", 3), ("kill", 128 + signal.SIGKILL)])
+def test_launch_propagates_a_failing_rank(
+    how: str, code: int, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    others = set(multiprocessing.active_children())  # e.g. a pool of ranks other tests keep
     start = time.monotonic()
-    result = launch(_rank1_fails, (code,), nproc=2, backend="gloo", grace_s=1.0, threads=1)
-    assert result == code
-    assert time.monotonic() - start < 60  # rank 0 was killed, not waited for
+    args = (how, str(tmp_path))
+    result = launch(_rank1_fails, args, nproc=2, backend="gloo", grace_s=1.0, threads=1)
+    assert result == code  # 128 + S for a rank killed by signal S
+    assert time.monotonic() - start < 60  # rank 0 was stopped, not waited for
     err = capfd.readouterr().err
-    assert f"rank 1 failed with exit code {code}" in err
-    assert "killing ranks [0]" in err
-    if code == 1:
+    assert f"embshard: rank 1 failed with exit code {code}" in err
+    assert "embshard: stopped ranks [0]" in err
+    if how == "raise":
         assert "[rank 1] ValueError: rank one gives up" in err
+        assert "[rank 1] Traceback (most recent call last):" in err
+    # no leftovers: every rank is reaped, rank 0 (sleeping when rank 1 failed) included
+    assert set(multiprocessing.active_children()) <= others
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "rank0.pid").read_text()), 0)
 
 
 def test_launch_refuses_bad_arguments() -> None:

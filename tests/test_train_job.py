@@ -7,8 +7,11 @@ gathered independently of the job (``_ckpt.full_state``).
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,6 @@ from embshard_dist.cli import main
 from embshard_dist.cli.job_data import JobBatch
 from embshard_dist.cli.job_eval import evaluate
 from embshard_dist.cli.job_step import ClickForward
-from embshard_dist.cli.job_tensorboard import check_tensorboard
 from embshard_dist.cli.progress import Progress
 from embshard_dist.data.criteo_convert import preprocess_tsv
 from embshard_dist.data.criteo_format import CriteoTransform
@@ -175,14 +177,96 @@ def test_a_single_day_cannot_be_held_out(tmp_path: Path, capfd: pytest.CaptureFi
 
 
 def test_tensorboard_without_the_package_is_a_clear_error(
-    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if check_tensorboard() is None:
-        pytest.skip("tensorboard is installed here")
+    for module in ("tensorboard", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, module, None)  # the package, as if not installed
     with pytest.raises(SystemExit) as info:
         main(["train", "--tensorboard", "tb"])
     assert info.value.code == 2
     assert "--tensorboard needs the tensorboard package" in capsys.readouterr().err
+
+
+# ---- one small job: TensorBoard scalars, and the table style of what the commands print -----
+
+TB_STEPS, TB_WINDOW, TB_EVAL_EVERY = 4, 2, 2
+
+
+@pytest.fixture(scope="module")
+def small_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data-parallel-only job's folder, with ``tb/`` and a checkpoint in ``ckpt/``."""
+    root = tmp_path_factory.mktemp("small_job")
+    argv = [*SMALL, "--steps", str(TB_STEPS), "--log-every", str(TB_WINDOW)]
+    argv += ["--eval-every", str(TB_EVAL_EVERY), "--eval-batches", "2", "--synthetic-rows", "1024"]
+    argv += ["--sharding", "data_parallel", "--tensorboard", str(root / "tb")]
+    argv += ["--checkpoint-dir", str(root / "ckpt"), "--save-every", str(TB_STEPS)]
+    _train(root, "run", *argv)
+    return root
+
+
+def test_tensorboard_gets_the_train_and_eval_scalars(small_job: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(small_job / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    summary = json.loads((small_job / "run.json").read_text())
+    for phase, steps, history in (
+        ("train", list(range(TB_WINDOW, TB_STEPS + 1, TB_WINDOW)), summary["history"]["train"]),
+        ("eval", list(range(0, TB_STEPS + 1, TB_EVAL_EVERY)), summary["history"]["eval"]),
+    ):
+        for name in ("loss", "ne", "auc"):
+            scalars = events.Scalars(f"{phase}/{name}")
+            assert f"{phase}/{name}" in tags and [e.step for e in scalars] == steps
+            # the values the job reports (float32 in the event file)
+            assert [e.value for e in scalars] == pytest.approx([h[name] for h in history])
+
+
+def _table_layouts(text: str) -> list[list[int]]:
+    """The column widths of each table in ``text``, checking each one's style on the way.
+
+    The style: a header line, a rule of dashes per column joined by ``" | "``, then rows whose
+    ``" | "`` separators stand exactly where the rule's do.
+    """
+    lines = text.splitlines()
+    layouts = []
+    for i, line in enumerate(lines):
+        if not re.fullmatch(r"-+( \| -+)*", line):
+            continue
+        widths = [len(part) for part in line.split(" | ")]
+        seps = [sum(widths[: j + 1]) + 3 * j for j in range(len(widths) - 1)]
+        body = list(itertools.takewhile(bool, lines[i + 1 :]))
+        assert body, f"a table without rows:\n{lines[i - 1]}\n{line}"
+        for row in [lines[i - 1], *body]:
+            assert all(row[p : p + 3] == " | " for p in seps), f"misaligned: {row!r}"
+        layouts.append(widths)
+    return layouts
+
+
+def test_train_plan_and_inspect_print_tables_in_one_style(
+    small_job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trained = (small_job / "run" / "train.log").read_text()  # what the console showed
+    assert _table_layouts(trained)  # the plan
+    assert "no sharded tables: every table is data-parallel" in trained
+    assert "shard offsets" not in trained  # a data-parallel-only plan: no empty shard table
+
+    spec = small_job / "tables.json"
+    tables = [
+        {"name": f"t{i}", "rows": 2000, "dim": 16, "features": [f"cat_{i}"],
+         "sharding_types": ["data_parallel"]}
+        for i in range(4)
+    ]  # fmt: skip
+    spec.write_text(json.dumps({"tables": tables}))
+    assert main(["plan", "--tables", str(spec), "--out", str(small_job / "plan.json")]) == 0
+    planned = capsys.readouterr().out
+    assert len(_table_layouts(planned)) == 2  # per rank, per table
+    assert re.search(r"\n {3}0 \| ", planned)  # numbers right-aligned: the rank column
+
+    assert main(["checkpoint", "inspect", str(small_job / "ckpt")]) == 0
+    inspected = capsys.readouterr().out
+    assert len(_table_layouts(inspected)) == 2  # the tables, the plan they were saved with
+    assert re.search(r"\.t0\.weight +\| 2000 \|  16 \| float32 ", inspected)  # right-aligned
 
 
 def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:

@@ -117,7 +117,7 @@ def test_stats_table_content() -> None:
     assert "3 tables on 3 ranks (cpu, 1 node(s) of 3)" in text
     assert "per rank:" in text and "memory used / usable (capacity)" in text
     for r in range(3):
-        assert f"\n{r}    |" in text
+        assert f"\n   {r} |" in text  # numbers right-aligned
     assert "per table:" in text
     for t in ("sparse.ebc.t0", "sparse.ebc.t1", "sparse.ebc.t2"):
         assert t in text

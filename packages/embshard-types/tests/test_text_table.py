@@ -1,4 +1,4 @@
-"""The plain-text table formatter used to print plans."""
+"""The plain-text table style of every printed table (plans, planner stats, checkpoints)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,34 @@ import pytest
 from embshard_types.text_table import tabulate
 
 
-def test_columns_are_as_wide_as_their_widest_cell() -> None:
-    text = tabulate([["a", 1], ["longer", [0, 1]]], ["x", "y"])
+def test_columns_are_as_wide_as_their_widest_cell_and_numbers_align_right() -> None:
+    text = tabulate(
+        [["a", 1, "1.5 KiB", [0, 1]], ["longer", 120, "-", "x"]],
+        ["x", "count", "memory", "y"],
+        title="title:",
+    )
     assert text.splitlines() == [
-        "  x    |   y",
-        "------ | ------",
-        "a      | 1",
-        "longer | [0, 1]",
+        "title:",
+        "x      | count |  memory | y",
+        "------ | ----- | ------- | ------",
+        "a      |     1 | 1.5 KiB | [0, 1]",
+        "longer |   120 |       - | x",
     ]
 
 
-def test_empty_table_prints_headers() -> None:
-    assert tabulate([], ["param", "ranks"]) == "param | ranks\n----- | -----"
+def test_numbers_with_units_align_right_but_text_with_digits_does_not() -> None:
+    lines = tabulate([["2.00 ms", "0,1", True], ["13.50 ms", "rank:0/cpu", False]], ["a", "b", "c"])
+    assert lines.splitlines()[2:] == [
+        " 2.00 ms | 0,1        | True",
+        "13.50 ms | rank:0/cpu | False",
+    ]
+
+
+def test_a_table_without_rows_is_one_line_instead() -> None:
+    assert tabulate([], ["param", "ranks"]) == "none"
+    assert tabulate([], ["param", "ranks"], title="per table:", empty="no tables") == (
+        "per table: no tables"
+    )
 
 
 def test_row_of_the_wrong_length() -> None:

@@ -21,7 +21,7 @@ from embshard_types.kernel_params import CacheParams, KeyValueParams, check_keys
 from embshard_types.parameter_sharding import ParameterSharding, ShardingBucketMetadata
 from embshard_types.sharded_module import ShardedModule
 from embshard_types.text_table import tabulate
-from embshard_types.vocab import ObjectPoolShardingType
+from embshard_types.vocab import ObjectPoolShardingType, ShardingType
 
 __all__ = [
     "PLAN_FORMAT_VERSION",
@@ -123,14 +123,17 @@ class EmbeddingModuleShardingPlan(
             for name, ps in self.items()
             for s in ps.shards or ()
         ]
-        table = tabulate(params, ["param", "sharding type", "compute kernel", "ranks"])
-        if not shards:  # every table replicated: no shard to list
-            return table
-        return (
-            table
-            + "\n\n"
-            + tabulate(shards, ["param", "shard offsets", "shard sizes", "placement"])
+        table = tabulate(
+            params, ["param", "sharding type", "compute kernel", "ranks"], empty="no tables"
         )
+        if not params:
+            return table
+        if all(ps.sharding_type is ShardingType.DATA_PARALLEL for ps in self.values()):
+            empty = "no sharded tables: every table is data-parallel (a copy on every rank)"
+        else:
+            empty = "no shard placements: the plan names the ranks only"
+        shard_headers = ["param", "shard offsets", "shard sizes", "placement"]
+        return table + "\n\n" + tabulate(shards, shard_headers, empty=empty)
 
     def check_world(self, world_size: int) -> None:
         """Raise ``ValueError`` unless every table's ranks are in ``[0, world_size)``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from embshard_dist.checkpoint.format import (
 from embshard_dist.checkpoint.integrity import verify_files
 from embshard_dist.checkpoint.validate import check_files
 from embshard_types.plan import ShardingPlan
+from embshard_types.text_table import tabulate
 
 __all__ = ["format_inspection", "inspect_checkpoint"]
 
@@ -130,6 +131,24 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _tables_text(tables: Sequence[Mapping[str, Any]]) -> str:
+    rows = [
+        [
+            t["key"],
+            t["rows"],
+            t["dim"],
+            t["dtype"],
+            t["sharding"] or "unsharded",
+            _size(t["weight_bytes"]),
+            _size(t["state_bytes"]),
+            ", ".join(f"{n} ({k})" for n, k in t["states"].items()) or "-",
+        ]
+        for t in tables
+    ]
+    headers = ["table", "rows", "dim", "dtype", "sharding", "weights", "opt. state", "states"]
+    return tabulate(rows, headers, title="embedding tables:", empty="no embedding tables")
+
+
 def format_inspection(info: Mapping[str, Any]) -> str:
     """Plain text for a summary made by :func:`inspect_checkpoint`."""
     lines = [
@@ -152,17 +171,9 @@ def format_inspection(info: Mapping[str, Any]) -> str:
             else []
         ),
         "",
-        f"{'table':40} {'rows x dim':>16} {'dtype':9} {'sharding':14} {'weights':>10} "
-        f"{'opt. state':>10}  states",
+        _tables_text(info["tables"]),
     ]
-    for t in info["tables"]:
-        states = ", ".join(f"{n} ({k})" for n, k in t["states"].items()) or "-"
-        lines.append(
-            f"{t['key']:40} {t['rows']:>8} x {t['dim']:<5} {t['dtype']:9} "
-            f"{t['sharding'] or 'unsharded':14} {_size(t['weight_bytes']):>10} "
-            f"{_size(t['state_bytes']):>10}  {states}"
-        )
-    lines.append(f"dense tensors: {info['dense']['tensors']}, {_size(info['dense']['bytes'])}")
+    lines += ["", f"dense tensors: {info['dense']['tensors']}, {_size(info['dense']['bytes'])}"]
     if info["plan"] is not None:
         lines += ["", "plan it was saved with:", str(ShardingPlan.from_dict(info["plan"]))]
     if info["problems"]:

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from embshard_dist.cli.options import check_divides, positive_int
+from embshard_dist.cli.options import DefaultsHelpFormatter, check_divides, positive_int
 from embshard_dist.planner.calibration.calibrate import (
     CALIBRATION_BACKENDS,
     CalibrationError,
@@ -28,7 +28,11 @@ from embshard_dist.planner.calibration.probes import CALIBRATION_REPS
 
 def run(argv: Sequence[str]) -> int:
     """Run the command; returns the exit status."""
-    p = argparse.ArgumentParser(prog="embshard calibrate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="embshard calibrate",
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--out", required=True, help="where to write the topology JSON")
     p.add_argument("--world-size", type=positive_int, default=2, help="ranks the topology is for")
     p.add_argument("--local-world-size", type=positive_int, help="ranks per node (default: all)")

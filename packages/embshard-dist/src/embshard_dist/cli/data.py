@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from embshard_dist.cli.options import non_negative_int, positive_int
+from embshard_dist.cli.options import DefaultsHelpFormatter, non_negative_int, positive_int
 from embshard_dist.data.criteo_convert import DEFAULT_CHUNK_ROWS, preprocess_tsv
 from embshard_dist.data.criteo_format import CAT_FEATURE_COUNT, HASH_MODES, CriteoTransform
 from embshard_dist.data.criteo_synth import write_synthetic_criteo
@@ -46,7 +46,7 @@ def _rate(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``embshard data`` parser with its ``synth`` and ``preprocess`` sub-commands."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = DefaultsHelpFormatter
     p = argparse.ArgumentParser(
         prog="embshard data", description=__doc__.split("\n")[0], formatter_class=fmt
     )
@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-embeddings",
         type=_sizes,
         default=_sizes("100000"),
-        help=f"table size: one for all, or {CAT_FEATURE_COUNT} comma-separated",
+        help=f"table size: one for all, or {CAT_FEATURE_COUNT} comma-separated (default: "
+        "100000 for each)",
     )
     c.add_argument("--hash", choices=HASH_MODES, default="mod", help="how ids map to rows")
     c.add_argument(

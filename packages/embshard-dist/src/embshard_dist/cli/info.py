@@ -7,6 +7,8 @@ import importlib.metadata as md
 import platform
 from collections.abc import Sequence
 
+from embshard_dist.cli.options import DefaultsHelpFormatter
+
 _PACKAGES = ("embshard-types", "embshard-optim", "embshard-kernels", "embshard-dist", "torch")
 
 
@@ -18,7 +20,10 @@ def _version(dist: str) -> str:
 
 
 def run(argv: Sequence[str]) -> int:
-    argparse.ArgumentParser(prog="embshard info", description=__doc__).parse_args(argv)
+    parser = argparse.ArgumentParser(
+        prog="embshard info", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
+    parser.parse_args(argv)
     import torch
 
     for name in _PACKAGES:

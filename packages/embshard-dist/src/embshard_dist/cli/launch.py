@@ -1,8 +1,12 @@
 """Run a function on N local processes joined by one process group, or join torchrun's.
 
-Guarantees: a failing rank prints its traceback prefixed by its rank; the others get
-``grace_s`` to end before they are killed; ``launch`` returns 0 or the first failing rank's
-exit code (``128 + S`` for a rank killed by signal S).
+The local processes are started and watched by ``torch.multiprocessing.start_processes``
+(spawn): when one ends with a non-zero code it gives the others ``grace_s`` to end, then
+SIGTERM, another ``grace_s``, then SIGKILL, and reaps them all.
+
+Guarantees: a failing rank prints its traceback prefixed by its rank; ``launch`` then names
+the failed rank and the ranks it stopped, and returns 0 or the first failing rank's exit code
+(``128 + S`` for a rank killed by signal S); no rank outlives ``launch``.
 """
 
 from __future__ import annotations
@@ -10,9 +14,9 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import signal
 import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -136,7 +140,8 @@ def launch(
         fn: a module-level (picklable) function; its integer result is the rank's exit code.
         args: picklable arguments, the same for every rank.
         backend: ``gloo`` or ``nccl`` (default: :func:`default_backend`).
-        grace_s: after the first failure, how long the other ranks may take to end.
+        grace_s: after the first failure, how long the other ranks may take to end before
+            SIGTERM (and again before SIGKILL).
         threads: torch threads per rank (default: the CPU count shared out, at least 1).
 
     Returns:
@@ -162,55 +167,39 @@ def launch(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
     }
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(rank, env, fn, tuple(args), backend, pg_timeout_s, threads),
-            name=f"embshard-rank-{rank}",
-        )
-        for rank in range(nproc)
-    ]
-    for p in procs:
-        p.start()
+    context = mp.start_processes(
+        _child,
+        args=(env, fn, tuple(args), backend, pg_timeout_s, threads),
+        nprocs=nproc,
+        join=False,
+        start_method="spawn",
+    )
     try:
-        return _supervise(procs, grace_s)
+        while not context.join(grace_period=grace_s):
+            pass
+    except mp.ProcessExitedException as e:
+        return _report(context.processes, e.error_index, _exit_code(e.exit_code), grace_s)
+    except mp.ProcessRaisedException as e:  # _child failed before run_rank could report
+        sys.stderr.write("".join(f"[rank {e.error_index}] {line}\n" for line in e.msg.splitlines()))
+        return _report(context.processes, e.error_index, 1, grace_s)
     except KeyboardInterrupt:
-        _kill(procs)
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
         return 130
+    return 0
 
 
-def _supervise(procs: list[Any], grace_s: float) -> int:
-    failure: tuple[int, int] | None = None
-    deadline = float("inf")
-    while any(p.exitcode is None for p in procs):
-        for rank, p in enumerate(procs):
-            if failure is None and p.exitcode not in (None, 0):
-                failure = (rank, _exit_code(p.exitcode))
-                deadline = time.monotonic() + grace_s
-                print(
-                    f"embshard: rank {rank} failed with exit code {failure[1]}; giving the other "
-                    f"ranks {grace_s:g} s to stop",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        if time.monotonic() > deadline:
-            still = [rank for rank, p in enumerate(procs) if p.exitcode is None]
-            print(f"embshard: killing ranks {still}", file=sys.stderr, flush=True)
-            _kill(procs)
-            break
-        time.sleep(0.05)
-    if failure is None:
-        for rank, p in enumerate(procs):
-            if p.exitcode not in (None, 0):
-                failure = (rank, _exit_code(p.exitcode))
-                break
-    return 0 if failure is None else failure[1]
-
-
-def _kill(procs: list[Any]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(timeout=10)
+def _report(procs: Sequence[Any], failed: int, code: int, grace_s: float) -> int:
+    """Name the failed rank and the ranks the launcher stopped; returns ``code``."""
+    print(f"embshard: rank {failed} failed with exit code {code}", file=sys.stderr, flush=True)
+    stop_codes = (-signal.SIGTERM, -signal.SIGKILL)
+    stopped = [r for r, p in enumerate(procs) if r != failed and p.exitcode in stop_codes]
+    if stopped:
+        print(
+            f"embshard: stopped ranks {stopped} (still running {grace_s:g} s after the failure)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return code

@@ -1,8 +1,9 @@
-"""Argument types shared by the ``embshard`` sub-commands: numbers checked as argparse parses.
+"""What the ``embshard`` sub-commands share on their command lines: argument types, help format.
 
-Each function takes the option's text and returns its value, or raises
+Each type function takes the option's text and returns its value, or raises
 ``argparse.ArgumentTypeError``, which argparse prints as ``argument --x: <message>`` with the
-usage and exit status 2, before any work (or any process) starts.
+usage and exit status 2, before any work (or any process) starts. :class:`DefaultsHelpFormatter`
+makes ``--help`` show every option's default.
 """
 
 from __future__ import annotations
@@ -10,7 +11,29 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["check_divides", "fraction", "non_negative_int", "positive_int"]
+__all__ = [
+    "DefaultsHelpFormatter",
+    "check_divides",
+    "fraction",
+    "non_negative_int",
+    "positive_int",
+]
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that names every option's default.
+
+    argparse's ``(default: X)``, unless the help already says ``(default ...)`` or ``default:``;
+    ``(required)`` after a required option instead.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.required:
+            return f"{text} (required)" if action.option_strings else text
+        if "(default" in text or "default:" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def positive_int(text: str) -> int:

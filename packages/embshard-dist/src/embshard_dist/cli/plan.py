@@ -13,31 +13,48 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from embshard_dist.cli.options import check_divides, fraction, positive_int
+from embshard_dist.cli.options import (
+    DefaultsHelpFormatter,
+    check_divides,
+    fraction,
+    positive_int,
+)
 
 DEFAULT_WORLD_SIZE = 2
 """Ranks planned for when neither ``--world-size`` nor ``--topology`` gives them."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="embshard plan", description=__doc__.split("\n")[0])
+    from embshard_dist.planner.cost_model import DEFAULT_RESERVE_FRACTION
+
+    p = argparse.ArgumentParser(
+        prog="embshard plan",
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--tables", required=True, help="table spec (.json, or .yaml with PyYAML)")
-    p.add_argument("--topology", help="topology file (from `embshard calibrate`)")
+    p.add_argument(
+        "--topology",
+        help="topology file (from `embshard calibrate`; default: the built-in figures of --device)",
+    )
     p.add_argument("--out", required=True, help="where to write the plan JSON")
     p.add_argument(
         "--world-size",
         type=positive_int,
-        help=f"ranks (overrides the topology's; default {DEFAULT_WORLD_SIZE} without one)",
+        help=f"ranks (overrides the topology's; default: {DEFAULT_WORLD_SIZE} without one)",
     )
     p.add_argument("--local-world-size", type=positive_int, help="ranks per node (default: all)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="without --topology")
-    p.add_argument(
-        "--batch-size", type=positive_int, help="samples per rank (overrides the spec's)"
-    )
+    p.add_argument("--batch-size", type=positive_int, help="samples per rank (default: the spec's)")
     p.add_argument(
         "--search", choices=("auto", "greedy", "beam", "exact"), default="auto", help="search"
     )
-    p.add_argument("--reserve", type=fraction, default=None, help="memory share kept free (0.1)")
+    p.add_argument(
+        "--reserve",
+        type=fraction,
+        default=DEFAULT_RESERVE_FRACTION,
+        help="share of each rank's memory kept free of tables",
+    )
     return p
 
 
@@ -49,7 +66,6 @@ def run(argv: Sequence[str]) -> int:
     out_dir = Path(args.out).resolve().parent
     if not out_dir.is_dir():
         parser.error(f"--out: folder {str(out_dir)!r} does not exist; create it or write elsewhere")
-    from embshard_dist.planner.cost_model import DEFAULT_RESERVE_FRACTION
     from embshard_dist.planner.planner import EmbeddingShardingPlanner
     from embshard_dist.planner.spec import load_table_spec
     from embshard_dist.planner.topology import Topology, default_topology
@@ -73,7 +89,7 @@ def run(argv: Sequence[str]) -> int:
             constraints=spec.constraints,
             batch_size=args.batch_size or spec.batch_size,
             optimizer=spec.optimizer,
-            reserve_fraction=DEFAULT_RESERVE_FRACTION if args.reserve is None else args.reserve,
+            reserve_fraction=args.reserve,
             search=args.search,
         )
         result = planner.propose(list(spec.tables))

@@ -72,7 +72,7 @@ def format_stats(estimate: PlanEstimate, *, title: str = "", top: int = 5) -> st
         if cuda:
             row.insert(2, f"{format_bytes(r.host_storage)} / {format_bytes(r.host_capacity)}")
         rows.append(row)
-    lines += ["", "per rank:", tabulate(rows, headers)]
+    lines += ["", tabulate(rows, headers, title="per rank:")]
     table_rows = [
         [
             t.key,
@@ -85,14 +85,10 @@ def format_stats(estimate: PlanEstimate, *, title: str = "", top: int = 5) -> st
         ]
         for t in estimate.tables
     ]
-    lines += [
-        "",
-        "per table:",
-        tabulate(
-            table_rows,
-            ["table", "sharding type", "kernel", "ranks", "shards", "memory", "ms (busiest rank)"],
-        ),
-    ]
+    table_headers = [
+        "table", "sharding type", "kernel", "ranks", "shards", "memory", "ms (busiest rank)"
+    ]  # fmt: skip
+    lines += ["", tabulate(table_rows, table_headers, title="per table:", empty="no tables")]
     mem_note = f"memory largest/mean {estimate.storage_imbalance:.3f}"
     lines += ["", f"imbalance: time slowest/mean {estimate.imbalance:.3f}, {mem_note}"]
     lines.append(_critical_path(estimate, top))
