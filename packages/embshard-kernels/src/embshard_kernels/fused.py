@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from embshard_kernels.accumulate import ATTR as _ACCUMULATION_ATTR
+from embshard_kernels.accumulate import GradAccumulation
 from embshard_kernels.base import BaseBatchedEmbedding
 from embshard_kernels.fbgemm_mapping import (
     check_kernel_available,
@@ -125,6 +127,9 @@ class _FusedKernel(BaseBatchedEmbedding):
         )
         infos = shard_infos(config)
         lr = tbe.get_learning_rate()
+        self._accumulation = GradAccumulation(
+            tbe, config.embedding_dims(), sequence=self._SEQUENCE, tables=config.table_names()
+        )
         self._optim = EmbeddingFusedOptimizer(tbe, infos, learning_rate=lr, pg=pg, state_format=fmt)
         for table, weight in zip(config.embedding_tables, slices, strict=True):
             weight._in_backward_optimizers = [  # type: ignore[attr-defined]
@@ -138,22 +143,31 @@ class _FusedKernel(BaseBatchedEmbedding):
                     param_weight_for_table=weight,
                 )
             ]
+            setattr(weight, _ACCUMULATION_ATTR, self._accumulation)
 
     @property
     def fused_optimizer(self) -> EmbeddingFusedOptimizer:
         """The optimizer applied in the backward (its ``step()`` only pushes the learning rate)."""
         return self._optim
 
+    @property
+    def grad_accumulation(self) -> GradAccumulation:
+        """This kernel's gradient accumulation (see :mod:`embshard_kernels.accumulate`)."""
+        return self._accumulation
+
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """Look up ``features`` (exactly the group's features, in order).
 
         Pooled: ``[batch, sum of dims]`` (flat when batch sizes vary); sequence: ``[ids, dim]``.
-        Bad input raises (see ``check_features``) before anything changes.
+        Bad input raises (see ``check_features``) before anything changes. Inside
+        ``defer_sparse_updates`` the backward keeps the gradient instead of updating.
         """
         # data-dependent checks: traced graphs skip them
         if self.check_inputs and not torch.compiler.is_compiling():
             check_features(features, self._layout)
         args = to_tbe_input(features, weighted=self._config.is_weighted)
+        if self._accumulation.engaged():
+            return self._accumulation.lookup(args)
         out: Tensor = self._emb_module(*args)
         return out
 

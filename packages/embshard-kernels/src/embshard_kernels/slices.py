@@ -132,6 +132,21 @@ class TableWeight(nn.Module):
     def extra_repr(self) -> str:
         return f"rows={self.weight.shape[0]}, dim={self.weight.shape[1]}"
 
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        _check_applied(self.weight, "save")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        _check_applied(self.weight, "load")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _check_applied(weight: Tensor, what: str) -> None:
+    """Raise if a fused kernel still holds accumulated gradients for ``weight``'s table."""
+    accumulation = getattr(weight, "_grad_accumulation", None)  # see embshard_kernels.accumulate
+    if accumulation is not None:
+        accumulation.check_applied(what)
+
 
 def table_slices(
     buffer: Tensor, offsets: list[int], shapes: list[tuple[int, int]]

@@ -154,6 +154,36 @@ class TorchFusedTBE(nn.Module):
         if last is not None and self.fast is not None:
             self.fast.prepare(*last)
 
+    def apply_call(
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        batch_size_per_feature_per_rank: list[list[int]] | None,
+        grad_output: Tensor,
+    ) -> None:
+        """The fused backward of a call whose output got ``grad_output``, without its lookup:
+        exactly the update the call's own backward applies (gradient accumulation replays the
+        joined micro-batches this way)."""
+        layout = CallLayout.of(
+            offsets, len(self.feature_table_map), batch_size_per_feature_per_rank
+        )
+        batches = (
+            self.fast.batches(indices, offsets, per_sample_weights, layout)
+            if self.fast is not None
+            else None
+        )
+        with torch.no_grad():
+            self.backward_and_update(
+                grad_output,
+                indices,
+                offsets,
+                per_sample_weights,
+                layout,
+                need_weight_grad=False,
+                batches=batches,
+            )
+
     # -- the two halves of a step ---------------------------------------------------------
 
     def lookup(

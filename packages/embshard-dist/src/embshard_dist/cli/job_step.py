@@ -4,17 +4,22 @@
 (batch ``i+1``'s input dist in flight while batch ``i`` trains); ``--pipeline none`` runs the
 plain loop ``zero_grad; loss = forward(batch); backward; step``. Both expose
 ``progress(batches)`` and give the same results bit for bit (the pipeline's contract).
+``--accumulate-grad-batches K`` makes both step once every ``K`` batches (the loss of each
+divided by ``K``, the first ``K - 1`` under ``no_sync``; see ``TrainPipelineSparseDist``); a
+``progress`` call still runs one batch, so steps, ETA and throughput count batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from embshard_dist.cli.job_data import JobBatch
+from embshard_dist.dmp.accumulation import check_accumulate_grad_batches, no_sync
 from embshard_dist.train_pipeline import TrainPipelineSparseDist, move_batch
 
 __all__ = ["PIPELINES", "ClickForward", "PlainLoop", "Stepper", "make_stepper"]
@@ -49,22 +54,59 @@ class Stepper(Protocol):
 
 
 class PlainLoop:
-    """The unpipelined step: ``zero_grad``, forward, backward, optimizer step."""
+    """The unpipelined step: ``zero_grad``, forward, backward, optimizer step.
+
+    With ``accumulate_grad_batches`` ``k > 1``: ``zero_grad`` before the first batch of each
+    step, every loss divided by ``k``, the first ``k - 1`` batches under ``no_sync(model)``, and
+    the step after the ``k``-th batch or the last one (it reads one batch ahead to know).
+    """
 
     def __init__(
-        self, forward: ClickForward, optimizer: torch.optim.Optimizer, device: torch.device
+        self,
+        forward: ClickForward,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        model: nn.Module | None = None,
+        accumulate_grad_batches: int = 1,
     ) -> None:
         self._forward = forward
         self._optimizer = optimizer
         self._device = device
+        self._model = model if model is not None else forward.model
+        self._accumulate = check_accumulate_grad_batches(accumulate_grad_batches, "PlainLoop")
+        self._micro_batch = 0
+        self._ahead: list[Any] = []
 
     def progress(self, dataloader_iter: Iterator[Any]) -> StepOutput:
-        batch = move_batch(next(dataloader_iter), self._device)
-        self._optimizer.zero_grad()
-        loss, output = self._forward(batch)
-        loss.backward()
-        self._optimizer.step()
+        if self._accumulate == 1:
+            batch = move_batch(next(dataloader_iter), self._device)
+            self._optimizer.zero_grad()
+            loss, output = self._forward(batch)
+            loss.backward()
+            self._optimizer.step()
+            return output
+        batch = move_batch(
+            self._ahead.pop() if self._ahead else next(dataloader_iter), self._device
+        )
+        last = self._micro_batch + 1 == self._accumulate or not self._peek(dataloader_iter)
+        if self._micro_batch == 0:
+            self._optimizer.zero_grad()
+        with nullcontext() if last else no_sync(self._model):
+            loss, output = self._forward(batch)
+            (loss / self._accumulate).backward()
+        if last:
+            self._optimizer.step()
+        self._micro_batch = 0 if last else self._micro_batch + 1
         return output
+
+    def _peek(self, dataloader_iter: Iterator[Any]) -> bool:
+        """Read the next batch ahead; ``False`` when there is none."""
+        try:
+            self._ahead.append(next(dataloader_iter))
+        except StopIteration:
+            return False
+        return True
 
 
 def make_stepper(
@@ -73,14 +115,28 @@ def make_stepper(
     forward: ClickForward,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
+    accumulate_grad_batches: int = 1,
 ) -> Stepper:
-    """The stepper for ``--pipeline kind`` over ``model`` (a ``DistributedModelParallel``).
+    """The stepper for ``--pipeline kind`` over ``model`` (a ``DistributedModelParallel``),
+    stepping the optimizer once every ``accumulate_grad_batches`` batches.
 
     Raises:
-        ValueError: an unknown kind.
+        ValueError: an unknown kind, or ``accumulate_grad_batches`` not an int >= 1.
     """
     if kind == "none":
-        return PlainLoop(forward, optimizer, device)
+        return PlainLoop(
+            forward,
+            optimizer,
+            device,
+            model=model,
+            accumulate_grad_batches=accumulate_grad_batches,
+        )
     if kind == "sparse-dist":
-        return TrainPipelineSparseDist(model, optimizer, device, custom_model_fwd=forward)
+        return TrainPipelineSparseDist(
+            model,
+            optimizer,
+            device,
+            custom_model_fwd=forward,
+            accumulate_grad_batches=accumulate_grad_batches,
+        )
     raise ValueError(f"--pipeline {kind!r}: expected one of {', '.join(PIPELINES)}")

@@ -203,7 +203,9 @@ def _train(
 
     rank, world = dist.get_rank(), dist.get_world_size()
     forward = ClickForward(dmp)
-    stepper = make_stepper(config.pipeline, dmp, forward, dmp.optimizer(), device)
+    stepper = make_stepper(
+        config.pipeline, dmp, forward, dmp.optimizer(), device, config.accumulate_grad_batches
+    )
     batches = islice(
         data.train_batches(config.batch_size, rank, world, start), config.steps - start
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from embshard_dist.cli.options import non_negative_int, positive_int
+from embshard_dist.cli.options import DefaultsHelpFormatter, non_negative_int, positive_int
 
 _OPTIMIZERS = (
     "rowwise_adagrad",
@@ -54,6 +54,7 @@ class TrainConfig:
     save_every: int = 0
     async_save: bool = False
     resume: str | None = None
+    accumulate_grad_batches: int = 1
 
     @property
     def window(self) -> int:
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="embshard train",
         description="Train a small DLRM on Criteo-format clicks, sharded across local "
         "processes, evaluating on a held-out day.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--nproc", type=positive_int, default=2, help="processes to start")
     p.add_argument(
@@ -165,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer of the same kind",
     )
     p.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    p.add_argument(
+        "--accumulate-grad-batches",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="batches per optimizer step (gradient accumulation): the tables and dense layers "
+        "are updated once every K batches, as one step on the K batches together with the mean "
+        "loss; --steps, --eval-every, --log-every and --save-every still count batches",
+    )
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the model and data")
     p.add_argument(
         "--log-every",
@@ -221,6 +231,12 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
             raise ValueError(f"--run-dir: {args.run_dir!r} is a file, not a folder")
         if (args.checkpoint_dir is None) != (args.save_every is None):
             raise ValueError("--checkpoint-dir and --save-every go together: give both or neither")
+        k = args.accumulate_grad_batches
+        if args.save_every is not None and args.save_every % k:
+            raise ValueError(
+                f"--save-every {args.save_every} is not a multiple of --accumulate-grad-batches "
+                f"{k}: a checkpoint must fall between optimizer steps, not inside one"
+            )
         if args.async_save and args.checkpoint_dir is None:
             raise ValueError("--async-save needs --checkpoint-dir and --save-every")
         plan_json = None
@@ -277,6 +293,7 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
         save_every=args.save_every or 0,
         async_save=args.async_save,
         resume=args.resume,
+        accumulate_grad_batches=args.accumulate_grad_batches,
     )
 
 

@@ -12,6 +12,7 @@ A step on N ranks equals the unsharded model on the global batch with loss (1/N)
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from embshard_dist.dmp.accumulation import check_applied, no_sync
 from embshard_dist.dmp.dense import (
     DataParallelWrapper,
     DefaultDataParallelWrapper,
@@ -278,6 +280,25 @@ class DistributedModelParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._dmp_wrapped_module(*args, **kwargs)
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Gradient accumulation, as ``DistributedDataParallel.no_sync`` but for the tables too.
+
+        Forwards and backwards inside keep every fused kernel's row gradients (no update) and
+        the dense gradients local (no all-reduce); the backward of the first forward outside
+        applies them all in one step: ``k`` micro-batches, one optimizer step (see
+        :mod:`embshard_dist.dmp.accumulation`). Step the dense optimizer after that backward
+        only. ``state_dict`` and ``load_state_dict`` refuse while gradients are kept.
+
+        Example::
+
+            for j, micro_batch in enumerate(micro_batches):
+                last = j == len(micro_batches) - 1
+                with contextlib.nullcontext() if last else dmp.no_sync():
+                    (dmp(micro_batch) / len(micro_batches)).backward()
+            optimizer.step()
+        """
+        return no_sync(self)
+
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
@@ -296,7 +317,13 @@ class DistributedModelParallel(nn.Module):
         prefix: str = "",
         keep_vars: bool = False,
     ) -> dict[str, Any]:
-        """The unwrapped model's state dict; sharded tables are ``ShardedTensor`` / ``DTensor``."""
+        """The unwrapped model's state dict; sharded tables are ``ShardedTensor`` / ``DTensor``.
+
+        Raises:
+            RuntimeError: inside a gradient accumulation (:meth:`no_sync`) whose kept gradients
+                are not applied yet.
+        """
+        check_applied(self.module, "save")
         result: dict[str, Any] = self.module.state_dict(
             destination=destination,  # type: ignore[arg-type]
             prefix=prefix,
@@ -311,7 +338,9 @@ class DistributedModelParallel(nn.Module):
 
         Raises:
             ValueError: with ``strict``, listing the missing and unexpected keys, before loading.
+            RuntimeError: kept gradients of a gradient accumulation are not applied yet.
         """
+        check_applied(self.module, "load")
         expected = set(self.state_dict(keep_vars=True))
         missing = sorted(expected - set(state_dict))
         unexpected = sorted(set(state_dict) - expected)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import abc
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
 
+from embshard_dist.dmp.accumulation import check_accumulate_grad_batches, no_sync
 from embshard_dist.train_pipeline.batch import move_batch
 from embshard_dist.train_pipeline.pipelined_forward import (
     PreparedInput,
@@ -71,9 +73,19 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         custom_model_fwd: ``batch -> (loss, output)`` to call instead of ``model``.
         sparse_of: which KeyedJaggedTensor of a batch each sharded module reads (default
             ``batch.sparse_features``); see :mod:`~embshard_dist.train_pipeline.sparse_inputs`.
+        accumulate_grad_batches: micro-batches (``progress`` calls) per optimizer step. The
+            first ``k - 1`` of each step run inside :func:`~embshard_dist.dmp.accumulation.
+            no_sync` (the tables keep their row gradients, DDP does not all-reduce); the
+            ``k``-th applies the sparse update once on the summed gradient, then
+            ``optimizer.step()``; ``zero_grad`` runs before the first. The pipeline divides each
+            micro-batch's loss by ``k`` before its backward (Lightning's convention), so a model
+            returning the mean loss of its batch gets the step of one batch ``k`` times larger
+            with the mean loss. When the batches end inside a step, its last batch completes it
+            (its micro-batches are still divided by ``k``).
 
     Raises:
-        ValueError: ``model`` holds no sharded module.
+        ValueError: ``model`` holds no sharded module; ``accumulate_grad_batches`` is not an
+            int >= 1.
     """
 
     def __init__(
@@ -85,7 +97,12 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         *,
         custom_model_fwd: Callable[[In], tuple[Tensor, Out]] | None = None,
         sparse_of: SparseOf | None = None,
+        accumulate_grad_batches: int = 1,
     ) -> None:
+        self._accumulate = check_accumulate_grad_batches(
+            accumulate_grad_batches, "TrainPipelineSparseDist"
+        )
+        self._micro_batch = 0  # micro-batches of the current optimizer step already run
         self._model = model
         self._optimizer = optimizer
         self._device = torch.device(device)
@@ -143,22 +160,41 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             raise StopIteration
         current = self._batches[0]
         training = self._model.training
-        if training:
+        if training and self._micro_batch == 0:
             self._optimizer.zero_grad()
         hand_over(current.batch, self._streams.dist)
         following = self._batches[1] if len(self._batches) > 1 else None
         if following is not None:
             self._start_dist(following)
         self._enqueue(dataloader_iter)
-        with serving(self._modules, current.inputs, self._streams.dist):
-            losses, output = self._model_fwd(current.batch)
-        if following is not None:
-            self._start_values(following)
-        if training:
-            (losses if losses.dim() == 0 else losses.sum()).backward()
+        steps = not training or self._completes_step()
+        with self._accumulating(not steps):
+            with serving(self._modules, current.inputs, self._streams.dist):
+                losses, output = self._model_fwd(current.batch)
+            if following is not None:
+                self._start_values(following)
+            if training:
+                loss = losses if losses.dim() == 0 else losses.sum()
+                (loss / self._accumulate if self._accumulate > 1 else loss).backward()
+        if training and steps:
             self._optimizer.step()
+            self._micro_batch = 0
+        elif training:
+            self._micro_batch += 1
         self._batches.popleft()
         return output
+
+    def _completes_step(self) -> bool:
+        """Whether the current batch is the last micro-batch of its optimizer step: the
+        ``k``-th, or the last this pipeline will run."""
+        if self._micro_batch + 1 >= self._accumulate:
+            return True
+        last_left = len(self._batches) == 1 or not self._execute_all_batches
+        return self._exhausted and last_left
+
+    def _accumulating(self, defer: bool) -> AbstractContextManager[None]:
+        """Keep the gradients of this micro-batch for the step's last one (``defer``)."""
+        return no_sync(self._model) if defer else nullcontext()
 
     def _find(self, model: nn.Module) -> dict[str, AnyShardedModule]:
         modules = find_sharded_modules(model)
