@@ -151,6 +151,36 @@ class _QuantKernel(BaseBatchedEmbedding):
         self.quantization_error = errors
         return dict(errors)
 
+    def load_packed(self, name: str, packed: Tensor, scale_shift: Tensor | None) -> None:
+        """Copy already quantized rows (see :func:`quantize_rows`) into table ``name``.
+
+        Raises:
+            KeyError: no such table.
+            ValueError: shapes that do not match the table's packed rows.
+        """
+        holder = self.table_weight(name)
+        expected = tuple(holder.weight.shape)
+        if tuple(packed.shape) != expected or packed.dtype != torch.uint8:
+            raise ValueError(
+                f"table {name!r}: packed rows {list(packed.shape)} of {packed.dtype} do not match "
+                f"the table's {list(expected)} of torch.uint8; quantize with the same data type"
+            )
+        held = holder.weight_qscaleshift
+        if (held is None) != (scale_shift is None) or (
+            held is not None
+            and scale_shift is not None
+            and tuple(scale_shift.shape) != tuple(held.shape)
+        ):
+            raise ValueError(
+                f"table {name!r}: the scale/bias given "
+                f"({None if scale_shift is None else list(scale_shift.shape)}) does not match "
+                f"the table's ({None if held is None else list(held.shape)})"
+            )
+        with torch.no_grad():
+            holder.weight.copy_(packed)
+            if held is not None and scale_shift is not None:
+                held.copy_(scale_shift)
+
     def _dequantize(self, name: str) -> Tensor:
         table = next(t for t in self._config.embedding_tables if t.name == name)
         holder = self.table_weight(name)
@@ -187,16 +217,7 @@ class _QuantKernel(BaseBatchedEmbedding):
 
         ``data_type``: ``int8``, ``int4``, ``int2``, ``fp16`` or ``fp32``.
         """
-        dt = DataType.parse(data_type, what="quantized data type")
-        config = module.config
-        tables = tuple(
-            replace(t, data_type=dt, compute_kernel=ComputeKernel.QUANT)
-            for t in config.embedding_tables
-        )
-        quant_config = replace(
-            config, data_type=dt, compute_kernel=ComputeKernel.QUANT, embedding_tables=tables
-        )
-        quant = cls(quant_config, module.device)
+        quant = cls(quant_config(module.config, data_type), module.device)
         quant.load_float_weights(module.split_embedding_weights())
         return quant
 
@@ -241,16 +262,55 @@ def _traced_lookup(
     return lookup
 
 
+def quant_config(config: GroupedEmbeddingConfig, data_type: DataType | str) -> GroupedEmbeddingConfig:
+    """``config``'s tables on the quantized kernel with ``data_type``."""
+    dt = DataType.parse(data_type, what="quantized data type")
+    tables = tuple(
+        replace(t, data_type=dt, compute_kernel=ComputeKernel.QUANT)
+        for t in config.embedding_tables
+    )
+    return replace(
+        config, data_type=dt, compute_kernel=ComputeKernel.QUANT, embedding_tables=tables
+    )
+
+
+def quantize_rows(weight: Tensor, data_type: DataType | str) -> tuple[Tensor, Tensor | None]:
+    """Float ``[rows, cols]`` weights as FBGEMM's quantized kernel stores them.
+
+    Returns:
+        ``(packed, scale_shift)``: the packed uint8 rows and, for INT8 / INT4 / INT2, each
+        row's fp16 scale and bias as ``[rows, 4]`` uint8 (``None`` for FP16 / FP32, whose rows
+        are the values' bytes).
+
+    Raises:
+        ValueError: a data type the quantized kernel does not serve, or a width that packs into
+            an odd number of bytes.
+    """
+    dt = DataType.parse(data_type, what="quantized data type")
+    if dt not in QUANT_TYPES:
+        raise ValueError(
+            f"{dt.value!r} is not a quantized table type; use one of {[d.value for d in QUANT_TYPES]}"
+        )
+    cols = weight.shape[1]
+    if dt.is_quantized and (cols * dt.bits) % 16:
+        raise ValueError(
+            f"{cols} columns of {dt.value} pack into an odd number of bytes, which FBGEMM's "
+            f"quantizer refuses; use a width that is a multiple of {16 // dt.bits}"
+        )
+    weight = weight.detach().float()
+    if not dt.is_quantized:
+        dtype = torch.float16 if dt is DataType.FP16 else torch.float32
+        return weight.to(dtype).contiguous().view(torch.uint8), None
+    packed = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(weight, dt.bits)
+    return packed[:, :-4].contiguous(), packed[:, -4:].contiguous()
+
+
 def _quantize_into(weight: Tensor, data_type: DataType, holder: QuantTableWeight) -> None:
-    target = holder.weight
-    if not data_type.is_quantized:
-        dtype = torch.float16 if data_type is DataType.FP16 else torch.float32
-        target.copy_(weight.to(dtype).view(torch.uint8).view(target.shape))
-        return
-    packed = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(weight, data_type.bits)
-    target.copy_(packed[:, : target.shape[1]])
-    assert holder.weight_qscaleshift is not None
-    holder.weight_qscaleshift.copy_(packed[:, -4:])
+    packed, scale_shift = quantize_rows(weight, data_type)
+    holder.weight.copy_(packed.view(holder.weight.shape))
+    if scale_shift is not None:
+        assert holder.weight_qscaleshift is not None
+        holder.weight_qscaleshift.copy_(scale_shift)
 
 
 class QuantBatchedEmbeddingBag(_QuantKernel):

@@ -5,7 +5,9 @@
 :class:`QuantEmbeddingCollection`: the same tables, features and outputs, each table group on
 FBGEMM's IntNBit kernel (``quant.py``) with row-wise fp16 scale and bias as FBGEMM stores them.
 Each dequantized element is within half a quantization step of the float weight it came from.
-The float tables are released once quantized; nothing is trained afterwards.
+The float tables are released once quantized; nothing is trained afterwards. A collection on
+``meta`` gives empty quantized tables (no float copy is ever made), to fill from a quantized
+export (``embshard_dist.checkpoint.export.load_quantized_export``) for serving.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from embshard_kernels.quant import (
     QuantBatchedEmbedding,
     QuantBatchedEmbeddingBag,
     QuantTableWeight,
+    quant_config,
 )
 from embshard_types.configs import EmbeddingBagConfig, EmbeddingConfig
 from embshard_types.sparse.jagged import JaggedTensor
@@ -63,7 +66,7 @@ class QuantEmbeddingBagCollection(nn.Module):
         self.data_type = dt
         self._routing = GroupedKernels(ebc._tables, backend=ebc._grouped.backend)
         self.kernels = nn.ModuleList(
-            QuantBatchedEmbeddingBag.from_float(k, dt) for k in ebc._live_kernels()
+            _quant_kernels_of(ebc, self._routing, dt, QuantBatchedEmbeddingBag)
         )
         self._configs = [replace(c, data_type=dt) for c in ebc.embedding_bag_configs()]
         self._is_weighted = ebc.is_weighted()
@@ -78,6 +81,10 @@ class QuantEmbeddingBagCollection(nn.Module):
     def packed_tables(self) -> dict[str, QuantTableWeight]:
         """Per table, its packed rows and their fp16 scale and bias (live buffers)."""
         return _packed_tables(self.kernels)
+
+    def load_packed(self, table: str, packed: Tensor, scale_shift: Tensor | None) -> None:
+        """Copy rows quantized offline (``quant.quantize_rows``) into ``table``."""
+        _load_packed(self.kernels, table, packed, scale_shift)
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -112,9 +119,7 @@ class QuantEmbeddingCollection(nn.Module):
         dt = _quant_type(data_type)
         self.data_type = dt
         self._routing = GroupedKernels(ec._tables, backend=ec._grouped.backend)
-        self.kernels = nn.ModuleList(
-            QuantBatchedEmbedding.from_float(k, dt) for k in ec._live_kernels()
-        )
+        self.kernels = nn.ModuleList(_quant_kernels_of(ec, self._routing, dt, QuantBatchedEmbedding))
         self._configs = [replace(c, data_type=dt) for c in ec.embedding_configs()]
         self._keys = list(ec._keys)
 
@@ -125,6 +130,10 @@ class QuantEmbeddingCollection(nn.Module):
     def packed_tables(self) -> dict[str, QuantTableWeight]:
         """Per table, its packed rows and their fp16 scale and bias (live buffers)."""
         return _packed_tables(self.kernels)
+
+    def load_packed(self, table: str, packed: Tensor, scale_shift: Tensor | None) -> None:
+        """Copy rows quantized offline (``quant.quantize_rows``) into ``table``."""
+        _load_packed(self.kernels, table, packed, scale_shift)
 
     def quantization_error(self) -> dict[str, float]:
         """Per table, the largest absolute error of its dequantized weights."""
@@ -191,6 +200,20 @@ def _quantized(
     return QuantEmbeddingCollection(collection, data_type)
 
 
+def _quant_kernels_of(
+    collection: EmbeddingBagCollection | EmbeddingCollection,
+    routing: GroupedKernels,
+    data_type: DataType,
+    kind: type[QuantBatchedEmbeddingBag] | type[QuantBatchedEmbedding],
+) -> list[QuantBatchedEmbeddingBag | QuantBatchedEmbedding]:
+    """The quantized kernels of ``collection``'s groups: quantized from its trained weights,
+    or, for a collection on ``meta``, empty on the CPU (fill them with ``load_packed``)."""
+    if collection.device.type == "meta":
+        cpu = torch.device("cpu")
+        return [kind(quant_config(g, data_type), cpu) for g in routing.groups]
+    return [kind.from_float(k, data_type) for k in collection._live_kernels()]
+
+
 def _quant_kernels(
     kernels: nn.ModuleList,
 ) -> list[QuantBatchedEmbeddingBag | QuantBatchedEmbedding]:
@@ -211,3 +234,14 @@ def _packed_tables(kernels: nn.ModuleList) -> dict[str, QuantTableWeight]:
         for k in _quant_kernels(kernels)
         for t in k.config.embedding_tables
     }
+
+
+def _load_packed(
+    kernels: nn.ModuleList, table: str, packed: Tensor, scale_shift: Tensor | None
+) -> None:
+    for kernel in _quant_kernels(kernels):
+        if table in kernel.config.table_names():
+            kernel.load_packed(table, packed, scale_shift)
+            return
+    names = [n for k in _quant_kernels(kernels) for n in k.config.table_names()]
+    raise KeyError(f"no table {table!r}; the tables are {names}")
