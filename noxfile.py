@@ -10,7 +10,8 @@
 - ``dist_tests``: the multi-process tests under ``tests/`` (real processes, gloo, CPU).
 - ``gpu_tests``: the same suite on CUDA / NCCL; skips (exit 0) with a message where CUDA is absent.
 - ``bench``, ``asv``, ``asv_compare``: the benchmark suites under ``benchmarks/``;
-- ``compare``, ``plan_quality``: embshard beside TorchRec 1.8.0 (W1, W2; the planners).
+- ``compare``, ``plan_quality``: embshard beside TorchRec 1.8.0 (W1, W2; the planners);
+  ``serving``: quantized inference latency and memory beside TorchRec's.
 - ``build``: the four wheels and sdists into ``dist/``, then each package installed alone from
   them into a fresh virtual environment (PyPI for everything else) and imported (not a default
   session).
@@ -202,6 +203,17 @@ def compare(session: nox.Session) -> None:
         # import cost side by side (fresh interpreters): embshard_dist vs torchrec
         session.run("python", "benchmarks/import_time.py", "--torchrec", "--repeat", "5")
     session.run("python", "-m", "benchmarks.compare.run", *session.posargs)
+
+
+@nox.session
+def serving(session: nox.Session) -> None:
+    """Serving: latency (p50, p99) and throughput at batch 1, 64 and 512 of a DLRM on W2's
+    tables, embshard fp32 / INT8 / INT4 beside TorchRec 1.8.0's float and quantized
+    (``QuantEmbeddingBagCollection``) models in the same process, and each variant's peak
+    memory in a fresh one. Arguments go to the driver, e.g. ``nox -s serving -- --seconds 5``.
+    Results go to ``benchmarks/results/serving/``."""
+    _with_torchrec(session)
+    session.run("python", "-m", "benchmarks.serving.run", *session.posargs)
 
 
 @nox.session(venv_backend="none")
