@@ -13,6 +13,10 @@ Usage::
         [--steps 20] [--warmup 5] [--quick] [--no-memory] [--contenders torchrec]
         [--world-size 2] [--local-size 1] [--profile] [--out benchmarks/results/compare]
 
+``--workload W2-DLRM`` (only when named): W2's tables in a DLRM (13 dense features, bottom MLP
+[256, 128], top MLP [512, 256, 1]); each plan times embshard's and TorchRec's plain loops and
+``TrainPipelineSparseDist`` in the same processes, interleaved, with each rank's wait on
+embshard's collectives per step (``dlrm_run``).
 ``--local-size``: ranks per node (default: all ranks on one node; 1 simulates one node per
 rank, which gives table-row-wise and grid plans their multi-node layouts). A plan embshard
 cannot run yet is timed for TorchRec alone, with a note naming what embshard lacks. Exit status
@@ -38,8 +42,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from benchmarks.compare import report
+from benchmarks.compare import dlrm_run, report
 from benchmarks.compare.common import free_port
+from benchmarks.compare.dlrm_worker import DLRM_WORKLOADS
 from benchmarks.compare.planned import PLANNED, planned_plans
 from benchmarks.compare.plans import PLAN_KINDS, Plan, describe, make_plan
 from benchmarks.compare.worker import Job, run_rank
@@ -120,11 +125,33 @@ def _placement(plan: Plan, world_size: int) -> str:
     return f"{kinds} ({' / '.join(map(str, per_rank))} tables per rank)"
 
 
+def _dlrm_rows(args: argparse.Namespace, workload: str) -> list[dict[str, Any]]:
+    """The rows of a DLRM workload (``dlrm_run``), one per plan kind; printed as they come."""
+    rows = []
+    for kind in args.plans:
+        if kind == PLANNED:
+            print(f"note: {workload}: the planned row is not run for DLRM workloads", flush=True)
+            continue
+        started = time.perf_counter()
+        row = dlrm_run.run(args, workload, kind)
+        row["wall_s"] = round(time.perf_counter() - started, 1)
+        print("\n".join(dlrm_run.lines(row)), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument(
+        "--workload",
+        nargs="+",
+        default=list(WORKLOADS),
+        choices=[*WORKLOADS, *DLRM_WORKLOADS],
+        help="W1 / W2: the collections alone; W2-DLRM: W2's tables in a DLRM, plain loops and "
+        "pipelines (not run by default)",
+    )
     parser.add_argument(
         "--plans", nargs="+", default=[*PLAN_KINDS, PLANNED], choices=[*PLAN_KINDS, PLANNED]
     )
@@ -155,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     env = _environment(args)
     print(report.header(env), flush=True)
     rows: list[dict[str, Any]] = []
+    dlrm_rows: list[dict[str, Any]] = []
     for wl in args.workload:
+        if wl in DLRM_WORKLOADS:
+            dlrm_rows.extend(_dlrm_rows(args, wl))
+            continue
         for kind in args.plans:
             contenders = list(args.contenders)
             notes: list[str] = []
@@ -233,16 +264,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(report.row_line(row), flush=True)
     env["load_average_end"] = os.getloadavg()
-    result = {"environment": env, "results": rows}
+    result = {"environment": env, "results": rows, "dlrm_results": dlrm_rows}
     paths = report.write(result, Path(args.out))
     print()
-    print(report.table(result))
+    if rows or not dlrm_rows:
+        print(report.table(result))
+    for row in dlrm_rows:
+        print("\n".join(dlrm_run.lines(row)))
     if args.profile:
         print()
         print(report.phase_table(result))
     for p in paths:
         print(f"wrote {p}")
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if any("error" in r for r in [*rows, *dlrm_rows]) else 0
 
 
 if __name__ == "__main__":

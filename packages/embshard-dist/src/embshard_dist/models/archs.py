@@ -4,7 +4,9 @@
 Each has TorchRec's constructor, forward signature, parameter names and initialisation order.
 ``SparseArch`` holds the user's ``EmbeddingBagCollection`` as ``embedding_bag_collection``, the
 module ``DistributedModelParallel`` shards; it reads the pooled output by feature name, so the
-sharded collection's key order does not matter.
+sharded collection's key order does not matter. Its forward is also offered in two halves,
+:meth:`SparseArch.pooled` (a sharded collection's output all-to-all left in flight) and
+:meth:`SparseArch.stack` (waits for it), so a model can run dense layers in between.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from torch import nn
 
 from embshard_dist.models.mlp import MLP
 from embshard_kernels.collections import EmbeddingBagCollection
+from embshard_types.awaitables import LazyAwaitable
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.keyed_tensor import KeyedTensor
 
 
 class SparseArch(nn.Module):
@@ -43,15 +47,25 @@ class SparseArch(nn.Module):
         return self._sparse_feature_names
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features).to_dict()
-        missing = [f for f in self._sparse_feature_names if f not in pooled]
+        return self.stack(self.pooled(features))
+
+    def pooled(self, features: KeyedJaggedTensor) -> KeyedTensor | LazyAwaitable[KeyedTensor]:
+        """The collection's pooled output, not yet used: a sharded collection returns it with
+        its output all-to-all still in flight, waited for when :meth:`stack` first reads it."""
+        out: KeyedTensor | LazyAwaitable[KeyedTensor] = self.embedding_bag_collection(features)
+        return out
+
+    def stack(self, pooled: KeyedTensor | LazyAwaitable[KeyedTensor]) -> torch.Tensor:
+        """``[batch, F, D]`` from :meth:`pooled`'s output (waiting for it if still in flight)."""
+        by_feature = pooled.to_dict()
+        missing = [f for f in self._sparse_feature_names if f not in by_feature]
         if missing:
             raise ValueError(
                 f"SparseArch: the embedding collection returned no output for features "
-                f"{missing} (it returned {sorted(pooled)}); the input KeyedJaggedTensor must "
+                f"{missing} (it returned {sorted(by_feature)}); the input KeyedJaggedTensor must "
                 "carry every feature of the tables"
             )
-        values = [pooled[f] for f in self._sparse_feature_names]
+        values = [by_feature[f] for f in self._sparse_feature_names]
         return torch.cat(values, dim=1).reshape(-1, self.F, self.D)
 
 

@@ -4,9 +4,10 @@
 Guarantees: TorchRec's constructor arguments, forward signatures, architecture, parameter names,
 registration order and initialisation order (``DLRM_DCN`` first builds, then replaces, DLRM's
 over arch, as TorchRec does), so the same torch seed and the same tables give the same
-parameters and the same forward as TorchRec. Differences: bad arguments raise ``ValueError``
-naming the tables and sizes (TorchRec asserts), and the model takes embshard's
-``EmbeddingBagCollection`` and ``KeyedJaggedTensor``.
+parameters and the same forward as TorchRec. Differences: the forward starts the lookups before
+the dense arch, so the embeddings' all-to-alls overlap it (every value is the same); bad
+arguments raise ``ValueError`` naming the tables and sizes (TorchRec asserts); and the model
+takes embshard's ``EmbeddingBagCollection`` and ``KeyedJaggedTensor``.
 """
 
 from __future__ import annotations
@@ -108,9 +109,22 @@ class DLRM(nn.Module):
     def forward(
         self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor
     ) -> torch.Tensor:
-        """Logits ``[B, over_arch_layer_sizes[-1]]``."""
-        embedded_dense = self.dense_arch(dense_features)
-        embedded_sparse = self.sparse_arch(sparse_features)
+        """Logits ``[B, over_arch_layer_sizes[-1]]``.
+
+        The lookups come first and their pooled output is used only after the dense arch: the
+        output all-to-all of a sharded collection travels while the dense arch runs. In the
+        backward, the gradients' all-to-all starts where the output was first used and is
+        waited for by the lookups; autograd runs the ops recorded later first, so the dense
+        arch's backward, and DDP's all-reduce of its gradients, run while it travels.
+        """
+        sparse_arch = self.sparse_arch
+        if isinstance(sparse_arch, SparseArch):
+            pooled = sparse_arch.pooled(sparse_features)
+            embedded_dense = self.dense_arch(dense_features)
+            embedded_sparse = sparse_arch.stack(pooled)
+        else:  # a user's own sparse arch: called as a module, after the dense arch
+            embedded_dense = self.dense_arch(dense_features)
+            embedded_sparse = sparse_arch(sparse_features)
         interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
         logits: torch.Tensor = self.over_arch(interacted)
         return logits
