@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_on_ranks
+from _mp import run_on_ranks, test_device
 from torch import nn
 
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
@@ -86,7 +86,7 @@ def plans(world: int) -> dict[str, dict[str, ParameterSharding]]:
     def columns(widths: list[int], ranks: list[int], rows: int) -> ParameterSharding:
         specs, at = [], 0
         for width, rank in zip(widths, ranks, strict=True):
-            specs.append(ShardSpec.on(rank, "cpu", (0, at), (rows, width)))
+            specs.append(ShardSpec.on(rank, test_device().type, (0, at), (rows, width)))
             at += width
         return ParameterSharding(cw, "quant", ranks=ranks, shards=specs)
 
@@ -114,14 +114,15 @@ def _run(data_type: str, name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     assert isinstance(quant, QuantEmbeddingBagCollection)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     plan = EmbeddingModuleShardingPlan(plans(world)[name])
-    sharded = QuantEmbeddingBagCollectionSharder().shard(quant, plan, env)
+    device = test_device()
+    sharded = QuantEmbeddingBagCollectionSharder().shard(quant, plan, env, device)
     assert isinstance(sharded, ShardedQuantEmbeddingBagCollection)
     lengths, values = global_batch(world)
     mine = part(lengths, values, rank * BATCH, (rank + 1) * BATCH)
-    got = sharded(mine).wait()
-    expected = quant(mine)
+    got = sharded(mine.to(device)).wait()
+    expected = quant(mine)  # the unsharded quantized collection, on the CPU
     assert got.keys() == expected.keys()
-    return got.values(), expected.values(), packed_bytes(sharded.local_tables())
+    return got.values().cpu(), expected.values(), packed_bytes(sharded.local_tables())
 
 
 def packed_bytes(tables: dict[str, Any]) -> int:
@@ -169,12 +170,13 @@ def _dmp(data_type: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     unsharded = copy.deepcopy(model)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     # The default sharders include the quantized collection's; the planner picks the plan.
-    dmp = DistributedModelParallel(model, env, init_data_parallel=False)
+    device = test_device()
+    dmp = DistributedModelParallel(model, env, device, init_data_parallel=False)
     plan: ShardingPlan = dmp.plan
     lengths, values = global_batch(world)
     mine = part(lengths, values, rank * BATCH, (rank + 1) * BATCH)
     with torch.no_grad():
-        got = dmp(mine)
+        got = dmp(mine.to(device)).cpu()
         expected = unsharded(mine)
     kinds = {t: p.sharding_type.value for t, p in plan["sparse"].items()}
     return got, expected, kinds
@@ -190,11 +192,12 @@ def _bad_columns() -> str:
     quant = quantize_embeddings(float_collection(), "int2")  # 4 columns: one byte, not two
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     entries = plans(2)["tw"]
-    specs = [ShardSpec.on(0, "cpu", (0, 0), (23, 4)), ShardSpec.on(1, "cpu", (0, 4), (23, 4))]
+    kind = test_device().type
+    specs = [ShardSpec.on(0, kind, (0, 0), (23, 4)), ShardSpec.on(1, kind, (0, 4), (23, 4))]
     entries["t1"] = ParameterSharding(ShardingType.COLUMN_WISE, "quant", ranks=[0, 1], shards=specs)
     plan = EmbeddingModuleShardingPlan(entries)
     with pytest.raises(ValueError, match=r"table 't1'.*multiples of 8") as e:
-        QuantEmbeddingBagCollectionSharder().shard(quant, plan, env)
+        QuantEmbeddingBagCollectionSharder().shard(quant, plan, env, test_device())
     return str(e.value)
 
 
