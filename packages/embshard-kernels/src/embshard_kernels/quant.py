@@ -262,7 +262,9 @@ def _traced_lookup(
     return lookup
 
 
-def quant_config(config: GroupedEmbeddingConfig, data_type: DataType | str) -> GroupedEmbeddingConfig:
+def quant_config(
+    config: GroupedEmbeddingConfig, data_type: DataType | str
+) -> GroupedEmbeddingConfig:
     """``config``'s tables on the quantized kernel with ``data_type``."""
     dt = DataType.parse(data_type, what="quantized data type")
     tables = tuple(

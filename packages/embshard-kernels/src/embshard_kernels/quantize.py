@@ -119,7 +119,9 @@ class QuantEmbeddingCollection(nn.Module):
         dt = _quant_type(data_type)
         self.data_type = dt
         self._routing = GroupedKernels(ec._tables, backend=ec._grouped.backend)
-        self.kernels = nn.ModuleList(_quant_kernels_of(ec, self._routing, dt, QuantBatchedEmbedding))
+        self.kernels = nn.ModuleList(
+            _quant_kernels_of(ec, self._routing, dt, QuantBatchedEmbedding)
+        )
         self._configs = [replace(c, data_type=dt) for c in ec.embedding_configs()]
         self._keys = list(ec._keys)
 
