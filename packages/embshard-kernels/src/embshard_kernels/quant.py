@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -212,7 +213,7 @@ class _QuantKernel(BaseBatchedEmbedding):
     @classmethod
     def from_float(
         cls, module: BaseBatchedEmbedding, data_type: DataType | str = DataType.INT8
-    ) -> _QuantKernel:
+    ) -> Self:
         """Quantize a trained float kernel (fused or dense) of the same tables.
 
         ``data_type``: ``int8``, ``int4``, ``int2``, ``fp16`` or ``fp32``.
