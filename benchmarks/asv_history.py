@@ -1,15 +1,19 @@
 """Run the asv suite against commits of embshard, and fail on regressions between two of them.
 
-asv's ``existing`` environment benchmarks whatever is installed; this driver makes "what is
-installed" each commit's own embshard. For every commit it exports ``packages/`` of that commit
-(``git archive``) into a temporary folder, builds and installs the four packages into the
-interpreter running this script (``uv pip install --no-deps --reinstall``: torch, FBGEMM and
-the rest stay as they are), checks that they import from there, then runs
-``asv run --python=same --set-commit-hash=<sha>`` so the results are recorded against that
-commit. The benchmark code is always the working tree's (``benchmarks/asv_bench``). When all
-commits are done the four packages are put back as they were found (editable installs of the
-working tree, as ``uv sync`` leaves them), even after a failure or Ctrl-C. A commit whose
-packages fail to build, install or import is reported and skipped.
+asv's ``existing`` environment benchmarks whatever the interpreter imports; this driver makes
+that each commit's own embshard without touching the environment. For every commit it exports
+``packages/`` of that commit (``git archive``) into a temporary folder, checks in a fresh
+interpreter that the four packages import from there when their ``src`` folders lead
+``PYTHONPATH``, then runs ``asv run --python=same --set-commit-hash=<sha>`` with
+``ASV_PYTHONPATH`` and ``PYTHONPATH`` set to those folders (asv's benchmark processes, and the
+interpreters and ranks they start, import the commit's packages), so the results are recorded
+against that commit. The packages are pure Python, so their sources are what a wheel
+of the commit would install; nothing is built or installed, and the environment's editable
+installs of the working tree stay as they are. The benchmark code is always the working tree's
+(``benchmarks/asv_bench``), run with asv's forkserver launch method (the benchmark modules and
+torch imported once per commit). A commit whose packages are absent or fail to import is
+reported and skipped; a commit whose ``packages/`` tree equals one benchmarked in the same run
+gets that one's results.
 
 Usage (run with the Python of the environment that holds asv, e.g. ``nox -s asv``)::
 
@@ -39,7 +43,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -67,25 +70,13 @@ def _git(*args: str) -> str:
 ROOT = Path(_git("rev-parse", "--show-toplevel"))
 
 
-def _asv(*args: str, check: bool = False) -> int:
+def _asv(*args: str, check: bool = False, env: dict[str, str] | None = None) -> int:
     cmd = [sys.executable, "-m", "asv", *args]
     print(f"$ asv {' '.join(args)}", flush=True)
-    rc = subprocess.run(cmd, cwd=BENCH).returncode
+    rc = subprocess.run(cmd, cwd=BENCH, env=env).returncode
     if check and rc != 0:
         raise SystemExit(f"asv {' '.join(args)} failed with status {rc}")
     return rc
-
-
-def _uv() -> str:
-    uv = shutil.which("uv")
-    if uv is None:
-        raise SystemExit("uv is not on PATH: it installs each commit's packages")
-    return uv
-
-
-def _pip_install(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [_uv(), "pip", "install", "--python", sys.executable, "--no-deps", "--reinstall", *args]
-    return subprocess.run(cmd, capture_output=True, text=True)
 
 
 # ----- results on disk -------------------------------------------------------------------------
@@ -141,50 +132,16 @@ def _discover() -> None:
     _asv("run", "--python=same", "--bench", "just-discover", check=True)
 
 
-# ----- installing a commit ---------------------------------------------------------------------
+# ----- staging a commit ------------------------------------------------------------------------
 
 
-def _installed_state() -> dict[str, dict[str, Any] | None]:
-    """Each package's PEP 610 ``direct_url.json`` (``None``: not installed)."""
-    from importlib import metadata
+def _stage_commit(sha: str, tmp: Path) -> list[Path] | str:
+    """Export commit ``sha``'s four packages into ``tmp``; their source folders, or why not.
 
-    state: dict[str, dict[str, Any] | None] = {}
-    for name in PACKAGES:
-        try:
-            text = metadata.distribution(name).read_text("direct_url.json")
-        except metadata.PackageNotFoundError:
-            state[name] = None
-            continue
-        state[name] = json.loads(text) if text else {}
-    return state
-
-
-def _restore(state: dict[str, dict[str, Any] | None]) -> None:
-    """Put the packages back as ``state`` found them (editable or not, from the same folder)."""
-    args: list[str] = []
-    for name, info in state.items():
-        if info is None:
-            continue
-        url = str(info.get("url", ""))
-        path = url.removeprefix("file://") if url.startswith("file://") else ""
-        path = path or str(ROOT / "packages" / name)
-        args += ["-e", path] if info.get("dir_info", {}).get("editable") else [path]
-    absent = [name for name, info in state.items() if info is None]
-    steps = [_pip_install(*args)] if args else []
-    if absent:
-        uninstall = [_uv(), "pip", "uninstall", "--python", sys.executable, *absent]
-        steps.append(subprocess.run(uninstall, capture_output=True, text=True))
-    for out in steps:
-        if out.returncode != 0:
-            raise SystemExit(
-                f"could not put the environment's embshard packages back ({out.stderr.strip()}); "
-                "`nox -s asv` re-syncs its environment on its next run"
-            )
-    print("restored the environment's embshard packages as found", flush=True)
-
-
-def _install_commit(sha: str, tmp: Path) -> str | None:
-    """Install commit ``sha``'s four packages; the reason when it cannot be done."""
+    The packages are pure Python: their ``src`` folders, first on ``PYTHONPATH``, are what a
+    wheel of that commit would install. A fresh interpreter checks that each package imports
+    from there (not from the working tree the environment holds editable).
+    """
     archive = subprocess.run(
         ["git", "archive", "--format=tar", sha, "packages"], cwd=ROOT, capture_output=True
     )
@@ -192,67 +149,110 @@ def _install_commit(sha: str, tmp: Path) -> str | None:
         return f"git archive failed: {archive.stderr.decode().strip()}"
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(tmp, filter="data")
-    dirs = [tmp / "packages" / p for p in PACKAGES]
-    absent = [d.name for d in dirs if not (d / "pyproject.toml").exists()]
+    srcs = [tmp / "packages" / p / "src" for p in PACKAGES]
+    absent = [
+        f"{p}/src/{m}"
+        for p, m, s in zip(PACKAGES, MODULES, srcs, strict=True)
+        if not (s / m / "__init__.py").exists()
+    ]
     if absent:
         return f"the commit has no {', '.join(absent)}"
-    out = _pip_install(*map(str, dirs))
-    if out.returncode != 0:
-        return "install failed: " + " | ".join(out.stderr.strip().splitlines()[-5:])
     probe = (
         "import sys, importlib\n"
         f"for m in {MODULES!r}:\n"
         "    f = importlib.import_module(m).__file__ or ''\n"
-        f"    if f.startswith({str(ROOT / 'packages')!r}):\n"
-        "        sys.exit(f'{m} imports from the working tree ({f}), not the commit')\n"
+        f"    if not f.startswith({str(tmp)!r}):\n"
+        "        sys.exit(f'{m} imports from {f}, not from the commit')\n"
     )
-    imp = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, srcs))}
+    imp = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp, env=env
+    )
     if imp.returncode != 0:
         return "import failed: " + " | ".join(imp.stderr.strip().splitlines()[-3:])
-    return None
+    return srcs
 
 
-def _asv_run(sha: str, quick: bool, bench: str | None, *, config: Path | None = None) -> int:
+def _asv_run(
+    sha: str, quick: bool, bench: str | None, env: dict[str, str], *, config: Path | None = None
+) -> int:
+    """``asv run`` recording commit ``sha``. The forkserver launch method imports the benchmark
+    modules (torch with them) once per run and forks each benchmark from there, instead of a
+    fresh interpreter per benchmark and parameter."""
     args = ["--config", str(config)] if config else []
     args += ["run", "--python=same", f"--set-commit-hash={sha}", "--show-stderr"]
+    args += ["--launch-method=forkserver"]
     args += ["--quick"] if quick else []
     args += ["--bench", bench] if bench else []
-    return _asv(*args)
+    return _asv(*args, env=env)
 
 
-def _each_commit(shas: list[str], action: Callable[[str], str]) -> dict[str, str]:
-    """Install each commit in turn (repeats allowed) and call ``action`` on it; commit -> status.
-
-    A commit that cannot be installed gets "skipped: why". The environment's packages are put
-    back as found afterwards, whatever happens.
-    """
+def _each_commit(shas: list[str], action: Callable[[str, dict[str, str]], str]) -> dict[str, str]:
+    """Stage each commit in turn (repeats allowed) and call ``action`` on it with the variables
+    that make asv's benchmarks import it; commit -> status. ``ASV_PYTHONPATH`` puts the staged
+    sources first on ``sys.path`` of asv's benchmark processes; ``PYTHONPATH`` (which asv's
+    ``existing`` environment passes through unchanged) does so for the interpreters the
+    benchmarks start themselves (ranks, import timings). A commit whose packages cannot be
+    staged or imported gets "skipped: why". The environment itself is never changed."""
     status: dict[str, str] = {}
-    state = _installed_state()
-    try:
-        for sha in shas:
-            print(f"\n=== {sha[:8]} {_git('log', '-1', '--format=%s', sha)[:70]}", flush=True)
-            started = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="embshard-asv-") as tmp:
-                why = _install_commit(sha, Path(tmp))
-            if why is not None:
-                status[sha] = f"skipped: {why}"
-                print(f"skipped {sha[:8]}: {why}", flush=True)
+    for sha in shas:
+        print(f"\n=== {sha[:8]} {_git('log', '-1', '--format=%s', sha)[:70]}", flush=True)
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="embshard-asv-") as tmp:
+            staged = _stage_commit(sha, Path(tmp))
+            if isinstance(staged, str):
+                status[sha] = f"skipped: {staged}"
+                print(f"skipped {sha[:8]}: {staged}", flush=True)
                 continue
-            status[sha] = action(sha)
-            print(f"{sha[:8]}: {status[sha]} ({time.perf_counter() - started:.0f} s)", flush=True)
-    finally:
-        _restore(state)
+            path = os.pathsep.join(map(str, staged))
+            env = {**os.environ, "ASV_PYTHONPATH": path, "PYTHONPATH": path}
+            status[sha] = action(sha, env)
+        print(f"{sha[:8]}: {status[sha]} ({time.perf_counter() - started:.0f} s)", flush=True)
     return status
 
 
-def _run_commits(shas: list[str], quick: bool, bench: str | None = None) -> dict[str, str]:
-    """Benchmark each commit into the results; commit -> "ok" or why not."""
+def _packages_tree(sha: str) -> str:
+    """The git tree of ``packages/`` at ``sha`` (equal trees: the same code is benchmarked)."""
+    return _git("rev-parse", f"{sha}:packages")
 
-    def action(sha: str) -> str:
-        rc = _asv_run(sha, quick, bench)
+
+def _copy_results(src: str, dst: str) -> None:
+    """Record ``src``'s results for ``dst`` too (same ``packages/`` tree), at ``dst``'s date."""
+    date = int(_git("log", "-1", "--format=%at", dst)) * 1000
+    folder = _results_dir() / _machine()
+    for path in sorted(folder.glob(f"{src[:8]}-*.json")):
+        data = json.loads(path.read_text())
+        if data.get("commit_hash") != src:
+            continue
+        data.update(commit_hash=dst, date=date)
+        (folder / f"{dst[:8]}-{data['env_name']}.json").write_text(json.dumps(data))
+
+
+def _run_commits(shas: list[str], quick: bool, bench: str | None = None) -> dict[str, str]:
+    """Benchmark each commit into the results; commit -> "ok" or why not. A commit whose
+    ``packages/`` tree equals one benchmarked before it in ``shas`` gets that one's results."""
+    first: dict[str, str] = {}
+    twins: dict[str, list[str]] = {}
+    for sha in shas:
+        tree = _packages_tree(sha)
+        if tree in first:
+            twins[first[tree]].append(sha)
+        else:
+            first[tree] = sha
+            twins[sha] = []
+
+    def action(sha: str, env: dict[str, str]) -> str:
+        rc = _asv_run(sha, quick, bench, env)
         return "ok" if rc == 0 else f"asv run exited {rc} (some benchmarks failed)"
 
-    return _each_commit(shas, action)
+    status = _each_commit(list(twins), action)
+    for sha, copies in twins.items():
+        for twin in copies:
+            if not status[sha].startswith("skipped"):
+                _copy_results(sha, twin)
+            status[twin] = f"{status[sha]} (same packages/ as {sha[:8]}: its results)"
+            print(f"{twin[:8]}: {status[twin]}", flush=True)
+    return {sha: status[sha] for sha in shas}
 
 
 # ----- commands --------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print("\nsummary:")
     for sha, s in status.items():
         print(f"  {sha[:8]}  {s}")
-    return 0 if all(s == "ok" for s in status.values()) else 2
+    return 0 if all(s.startswith("ok") for s in status.values()) else 2
 
 
 def _publish() -> None:
@@ -388,8 +388,8 @@ def _confirm(
             os.environ[key] = ",".join(sorted(plans[workload]))
         try:
 
-            def action(sha: str) -> str:
-                rc = _asv_run(sha, quick, bench, config=config)
+            def action(sha: str, env: dict[str, str]) -> str:
+                rc = _asv_run(sha, quick, bench, env, config=config)
                 got = _load_results(sha, Path(tmp, "results"))
                 for name, i in suspects:
                     figures = _figures(got[name]) if name in got else []

@@ -10,6 +10,9 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+from .origin import check_same
 
 REPEATS = 3
 
@@ -17,10 +20,12 @@ REPEATS = 3
 def _cost(module: str) -> float:
     code = (
         "import time, torch; t = time.perf_counter(); "
-        f"import {module}; print(time.perf_counter() - t)"
+        f"import {module}; print(time.perf_counter() - t); print({module}.__file__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    seconds, where = out.stdout.strip().splitlines()[-2:]
+    check_same(str(Path(where).parent), "the timed interpreter", module)
+    return float(seconds)
 
 
 class ImportTime:

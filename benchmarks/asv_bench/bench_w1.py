@@ -9,7 +9,8 @@ the ``track_`` benchmarks only read that cache:
 * ``W1StepTime.track_step_ms``: the slowest rank's median step (forward + backward + update)
   in ms, over ``STEPS`` timed steps after ``WARMUP`` warm-up steps;
 * ``W1PeakMemory.track_peak_rss_mb``: peak resident memory of each rank in MB (``ru_maxrss``,
-  the whole process: interpreter, torch, FBGEMM and the shards).
+  the whole process: the shards, and the interpreter, torch and FBGEMM pages the rank touches;
+  ranks are forked from the job's process after its imports, see ``w1_job``).
 
 A plan embshard cannot run at the benchmarked commit fails its benchmarks with the reason.
 Set ``EMBSHARD_ASV_W1_STEPS`` / ``EMBSHARD_ASV_W1_WARMUP`` to change the step counts, and
@@ -27,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .origin import check_same
+from .w1_job import ORIGIN
 from .w1_job import PLANS as W1_JOB_PLANS  # asv imports this package without the root
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +55,7 @@ def run_job(workload: str, steps: int, warmup: int) -> dict[str, Any]:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise RuntimeError(f"the {workload} job exited with status {proc.returncode}:\n{tail}")
         results: dict[str, Any] = json.loads(out.read_text())
+    check_same(results.pop(ORIGIN, "an unknown folder"), f"the {workload} job")
     return results
 
 

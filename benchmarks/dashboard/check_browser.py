@@ -35,6 +35,9 @@ from cdp import Browser, CdpError
 
 BENCH = Path(__file__).resolve().parents[1]
 
+GRAPH = "bench_w2.W2StepTime.track_step_ms"
+"""The graph screenshotted by default: W2 step time, one series per sharding type."""
+
 
 class _QuietHandler(SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
@@ -109,7 +112,8 @@ def check(html: Path, results_dir: Path, machine: str, graph: str | None) -> lis
     expected = measured_commits(results_dir, machine)
     if not expected:
         return [f"no benchmark of {results_dir / machine} has a result: nothing to display"]
-    shown = graph or max(sorted(expected), key=lambda n: len(expected[n]))
+    fallback = max(sorted(expected), key=lambda n: len(expected[n]))
+    shown = graph or (GRAPH if GRAPH in expected else fallback)
     with serve(html) as base, Browser() as page:
         page.goto(f"{base}/index.html")
         try:
@@ -178,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--html", type=Path, default=BENCH / conf.get("html_dir", "html"))
     parser.add_argument("--results", type=Path, default=BENCH / conf.get("results_dir", "results"))
     parser.add_argument("--machine", default=platform.node(), help="asv machine name")
-    parser.add_argument("--graph", help="benchmark to screenshot (default: most commits)")
+    parser.add_argument(
+        "--graph", help=f"benchmark to screenshot (default: {GRAPH}, else the most measured)"
+    )
     args = parser.parse_args(argv)
     if not (args.html / "index.html").exists():
         print(f"error: {args.html}/index.html does not exist: run `nox -s asv` first")
