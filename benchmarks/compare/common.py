@@ -120,6 +120,7 @@ def load_global_weights(
             full = workload.initial_weight(index[table])
             for value in values:
                 _copy_into(value, full, table)
+            del full  # one full table at a time: the next draw must not find this one alive
     return set(by_table)
 
 

@@ -19,9 +19,13 @@ Per kind, on ``world_size`` ranks in nodes of ``local_size`` ranks (default: one
   libraries put at most one column block of a table on a node: TorchRec's ``grid_shard`` helper
   takes one host index per block, embshard refuses two blocks on one node); on one node this is
   table-row-wise's layout, served by the grid code path;
-* ``mixed``: W1: one table each table-wise, row-wise, column-wise and data-parallel. W2: the
-  tiny tables (<= 2,000 rows) data-parallel, the capped ones (200,000 rows) row-wise, the largest
-  middle one column-wise, the other middle ones table-wise (balanced).
+* ``mixed``: W1: one table each table-wise, row-wise, column-wise and data-parallel. W2 and W4:
+  the tiny tables (<= 2,000 rows) data-parallel, the ones with the most rows (W2's capped
+  200,000, W4's 4,000,000) row-wise, the largest middle one column-wise, the other middle ones
+  table-wise (balanced).
+
+Column-wise and grid plans cut a dim into equal blocks of a multiple of 4 columns (what both
+libraries' fused kernels take); a table that cannot be so cut raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations

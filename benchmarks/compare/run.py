@@ -1,4 +1,5 @@
-"""The side-by-side driver: embshard against TorchRec, W1 / W2, every sharding type and a mixed plan.
+"""The side-by-side driver: embshard against TorchRec, W1 / W2 / W4, every sharding type and a
+mixed plan.
 
 The ``planned`` row runs each library on the plan its own planner picks (see ``planned``).
 
@@ -9,7 +10,7 @@ Figures: the slowest rank's median ms per step, the ratio embshard / TorchRec, p
 
 Usage::
 
-    python -m benchmarks.compare.run [--workload W1 W2] [--plans row_wise mixed ...]
+    python -m benchmarks.compare.run [--workload W1 W2 W4] [--plans row_wise mixed ...]
         [--steps 20] [--warmup 5] [--quick] [--no-memory] [--contenders torchrec]
         [--world-size 2] [--local-size 1] [--profile] [--out benchmarks/results/compare]
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=list(WORKLOADS),
         choices=[*WORKLOADS, *DLRM_WORKLOADS],
-        help="W1 / W2: the collections alone; W2-DLRM: W2's tables in a DLRM, plain loops and "
+        help="W1 / W2 / W4: the collections alone; W2-DLRM: W2's tables in a DLRM, plain loops and "
         "pipelines (not run by default)",
     )
     parser.add_argument(

@@ -1,13 +1,20 @@
-"""The distributed workloads W1 and W2 of ``shared/benchmarks.md``, built from fixed seeds.
+"""The distributed workloads W1 and W2 of ``shared/benchmarks.md`` and the heterogeneous W4,
+built from fixed seeds.
 
 Everything here is plain torch, so both contenders are fed from the same tensors:
 
 * tables: W1 is 4 tables of 100,000 x 64; W2 is 26 tables x 128 with Criteo's 26 categorical
-  hash sizes (the Kaggle display-advertising set) capped at 200,000 rows;
+  hash sizes (the Kaggle display-advertising set) capped at 200,000 rows; W4 is 13 tables of
+  mixed shapes (:data:`W4_TABLES`): dims 8 to 256, rows 10 to 4,000,000, about 1.1 GB of fp32
+  weights in all (small enough for both libraries' data-parallel copies on 2 ranks of one
+  host); every dim is a multiple of 8, so each column-wise or grid plan of 2 ranks cuts it into
+  blocks of a multiple of 4 (what the fused kernels take);
 * batches: a global batch of ``world_size * batch_per_rank`` samples is drawn from the seed and
   rank ``r`` takes samples ``[r * b, (r + 1) * b)``; every feature's bag lengths are uniform in
-  the workload's range; W1's ids are uniform, W2's follow a Zipf law (exponent 1.05) whose hot
-  ranks are scattered over the table by a fixed permutation (hashed ids, as in real traffic);
+  its table's range (W1, W2: one range for all; W4: from one id per bag for the 10-row table
+  to 20-60 for a 256-wide one); W1's ids are uniform, W2's and W4's follow a Zipf law
+  (exponent 1.05) whose hot ranks are scattered over the table by a fixed permutation (hashed
+  ids, as in real traffic); W4 has 2,048 samples per rank;
 * initial weights: table ``i`` is drawn uniformly from ``+-sqrt(1/rows)`` by a generator seeded
   with ``seed + 1000 + i`` (one table at a time, so a rank never holds two full copies);
 * loss weights: a fixed ``[b, dim]`` random tensor per feature and rank; the loss of a step is
@@ -34,12 +41,14 @@ W2_ROW_CAP = 200_000
 
 @dataclass(frozen=True)
 class Table:
-    """One table: ``name`` is read by the single feature ``feature``."""
+    """One table: ``name`` is read by the single feature ``feature``; ``bag_lengths``, when
+    given, replaces the workload's range of ids per bag for this feature."""
 
     name: str
     feature: str
     rows: int
     dim: int
+    bag_lengths: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,10 @@ class Workload:
     """A distributed benchmark workload.
 
     Args:
-        name: ``"W1"`` or ``"W2"``.
+        name: ``"W1"``, ``"W2"`` or ``"W4"``.
         tables: the tables, in config order.
         batch_per_rank: samples per rank and step.
-        bag_lengths: inclusive range of ids per bag.
+        bag_lengths: inclusive range of ids per bag (of the tables that give none).
         zipf: Zipf exponent of the ids (``None``: uniform ids).
         seed: the seed every tensor is drawn from.
     """
@@ -76,6 +85,10 @@ class Workload:
     def keys(self) -> tuple[str, ...]:
         return tuple(t.feature for t in self.tables)
 
+    def bag_range(self, index: int) -> tuple[int, int]:
+        """The inclusive range of ids per bag of table ``index``'s feature."""
+        return self.tables[index].bag_lengths or self.bag_lengths
+
     def initial_weight(self, index: int) -> torch.Tensor:
         """The full initial weight of table ``index`` (draw it, copy what you need, drop it)."""
         table = self.tables[index]
@@ -88,11 +101,12 @@ class Workload:
         _check_rank(rank, world_size)
         gen = torch.Generator().manual_seed(self.seed)
         samplers = [self._sampler(i) for i in range(len(self.tables))]
-        b, lo, hi = self.batch_per_rank, self.bag_lengths[0], self.bag_lengths[1]
+        b = self.batch_per_rank
+        ranges = [self.bag_range(i) for i in range(len(self.tables))]
         out = []
         for _ in range(count):
             lengths, values = [], []
-            for sample in samplers:
+            for sample, (lo, hi) in zip(samplers, ranges, strict=True):
                 glob = torch.randint(lo, hi + 1, (world_size * b,), generator=gen)
                 ids = sample(int(glob.sum()), gen)
                 starts = torch.cumsum(glob, 0) - glob
@@ -154,11 +168,38 @@ def w2(seed: int = 0) -> Workload:
     return Workload("W2", tables, 512, (1, 40), 1.05, seed)
 
 
-WORKLOADS = {"W1": w1, "W2": w2}
+# W4's tables: (rows, dim, ids per bag), from a one-hot 10-row table to 4,000,000 rows.
+W4_TABLES = (
+    (10, 8, (1, 1)),
+    (100, 16, (1, 3)),
+    (1_000, 32, (1, 10)),
+    (10_000, 64, (5, 20)),
+    (50_000, 128, (10, 30)),
+    (100_000, 256, (5, 20)),
+    (20_000, 256, (20, 60)),
+    (300_000, 128, (5, 15)),
+    (500_000, 64, (1, 5)),
+    (1_000_000, 32, (1, 20)),
+    (2_000_000, 16, (1, 10)),
+    (4_000_000, 8, (1, 3)),
+    (1_500_000, 48, (2, 8)),
+)
+
+
+def w4(seed: int = 0) -> Workload:
+    """W4: 13 heterogeneous tables (:data:`W4_TABLES`), mixed bag lengths, Zipf ids, 2,048 per
+    rank."""
+    tables = tuple(
+        Table(f"t{i}", f"f{i}", rows, dim, bags) for i, (rows, dim, bags) in enumerate(W4_TABLES)
+    )
+    return Workload("W4", tables, 2_048, (1, 60), 1.05, seed)
+
+
+WORKLOADS = {"W1": w1, "W2": w2, "W4": w4}
 
 
 def get(name: str, seed: int = 0) -> Workload:
-    """The workload called ``name`` (``W1`` or ``W2``)."""
+    """The workload called ``name`` (``W1``, ``W2`` or ``W4``)."""
     try:
         return WORKLOADS[name.upper()](seed)
     except KeyError:

@@ -117,11 +117,13 @@ def torchrec_planner_plan(workload: Workload, world_size: int) -> Any:
             "eps": EPS,
         }
     )
-    pf = pooling_factor(workload)
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"),
         batch_size=workload.batch_per_rank,
-        constraints={t.name: ParameterConstraints(pooling_factors=[pf]) for t in workload.tables},
+        constraints={
+            t.name: ParameterConstraints(pooling_factors=[pooling_factor(workload, i)])
+            for i, t in enumerate(workload.tables)
+        },
     )
     tr_plan = planner.plan(root, [sharder])
     return from_torchrec(tr_plan.plan[MODULE], world_size)

@@ -1,9 +1,9 @@
-"""W1 / W2 as a planner sees them: tables, per-table traffic, batch size and optimizer.
+"""A workload (W1, W2, W4) as a planner sees it: tables, traffic, batch size and optimizer.
 
 Both planners (embshard's and TorchRec's) are given the same facts: each table's shape, the
-mean ids per bag of the workload (``(lo + hi) / 2`` for bag lengths uniform in ``[lo, hi]``),
-the samples per rank, and the optimizer (RowWiseAdagrad); embshard's also the Zipf exponent of
-the ids (TorchRec's planner takes none). The tables sit in a module called
+mean ids per bag of each table's feature (``(lo + hi) / 2`` for bag lengths uniform in
+``[lo, hi]``), the samples per rank, and the optimizer (RowWiseAdagrad); embshard's also the
+Zipf exponent of the ids (TorchRec's planner takes none). The tables sit in a module called
 ``ebc`` (:data:`MODULE`), as in the side-by-side harness.
 """
 
@@ -17,9 +17,9 @@ from benchmarks.compare.workloads import Workload
 MODULE = "ebc"
 
 
-def pooling_factor(workload: Workload) -> float:
-    """Mean ids per bag of the workload's uniform bag lengths."""
-    lo, hi = workload.bag_lengths
+def pooling_factor(workload: Workload, index: int) -> float:
+    """Mean ids per bag of table ``index``'s feature (its bag lengths are uniform)."""
+    lo, hi = workload.bag_range(index)
     return (lo + hi) / 2
 
 
@@ -41,15 +41,16 @@ def planner_tables(workload: Workload) -> list[Any]:
 
 
 def planner_constraints(workload: Workload) -> dict[str, Any]:
-    """Table name -> embshard ``ParameterConstraints``: the workload's pooling factor and the
+    """Table name -> embshard ``ParameterConstraints``: the table's pooling factor and the
     skew of its ids (W2's Zipf exponent; embshard's planner counts the distinct rows a step
     touches with it, TorchRec's planner has no such input)."""
     from embshard_dist.planner.constraints import ParameterConstraints
 
-    pf = pooling_factor(workload)
     return {
-        t.name: ParameterConstraints(pooling_factors=(pf,), zipf_exponent=workload.zipf)
-        for t in workload.tables
+        t.name: ParameterConstraints(
+            pooling_factors=(pooling_factor(workload, i),), zipf_exponent=workload.zipf
+        )
+        for i, t in enumerate(workload.tables)
     }
 
 

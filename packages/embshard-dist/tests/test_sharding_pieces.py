@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from embshard_dist.sharded import init as init_module
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
-from embshard_dist.sharded.init import draw_shard
+from embshard_dist.sharded.init import draw_shard, fill_shard
 from embshard_dist.sharded.state import check_entry, local_part
 from embshard_dist.strategies.base import FeatureSelector, scale_grad, to_wire
 from embshard_kernels.collections import EmbeddingBagCollection
@@ -101,6 +101,18 @@ def test_drawn_weights_depend_on_the_table_only(monkeypatch: pytest.MonkeyPatch)
     assert not torch.equal(
         draw_shard(renamed, ShardSpec.on(0, "cpu", (0, 0), (10, 8)), torch.float32), whole
     )
+
+
+def test_shards_are_drawn_in_place_into_a_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(init_module, "ROWS_PER_DRAW", 3)
+    config = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=8, init_range=(-1, 2))
+    spec = ShardSpec.on(1, "cpu", (2, 4), (5, 4))
+    buffer = torch.zeros(5, 6, dtype=torch.float16)  # the shard lives in columns 1..4
+    fill_shard(config, spec, buffer[:, 1:5])
+    assert torch.equal(buffer[:, 1:5], draw_shard(config, spec, torch.float16))
+    assert not buffer[:, 0].any() and not buffer[:, 5].any()
+    with pytest.raises(ValueError, match=r"'t'.*5 x 4.*\(5, 6\)"):
+        fill_shard(config, spec, buffer)
 
 
 def test_loading_takes_the_local_part_or_refuses_naming_the_table() -> None:

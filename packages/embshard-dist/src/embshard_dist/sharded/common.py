@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from embshard_dist.sharded.init import draw_shard, is_materialised
+from embshard_dist.sharded.init import fill_shard, is_materialised
 from embshard_dist.sharded.plan_checks import table_specs
 from embshard_dist.sharded.state import check_entry, local_part, table_state_entry
 from embshard_dist.strategies.base import BagTable
@@ -106,7 +106,8 @@ def build_strategies(
 def fill_weights(
     module: nn.Module, tables: Mapping[str, BagTable], local: LocalWeights, attr: str
 ) -> None:
-    """Copy the module's weights (``{attr}.{table}.weight``) into the local shards, or draw them."""
+    """Copy the module's weights (``{attr}.{table}.weight``) into the local shards, or draw them
+    in place (no second copy of a shard is held)."""
     source = dict(module.named_parameters())
     with torch.no_grad():
         for name, (weight, spec) in local.items():
@@ -115,7 +116,7 @@ def fill_weights(
                 (r0, c0), (nr, nc) = spec.offsets, spec.sizes
                 weight.copy_(full.detach()[r0 : r0 + nr, c0 : c0 + nc])
             else:
-                weight.copy_(draw_shard(tables[name].config, spec, weight.dtype))
+                fill_shard(tables[name].config, spec, weight)
 
 
 def combine_optimizers(optimizers: Sequence[KeyedOptimizer], attr: str) -> KeyedOptimizer:
