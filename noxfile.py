@@ -10,7 +10,7 @@
 - ``dist_tests``: the multi-process tests under ``tests/`` (real processes, gloo, CPU).
 - ``gpu_tests``: the same suite on CUDA / NCCL; skips (exit 0) with a message where CUDA is absent.
 - ``bench``, ``asv``, ``asv_compare``: the benchmark suites under ``benchmarks/``;
-- ``compare``, ``plan_quality``: embshard beside TorchRec 1.8.0 (W1, W2; the planners);
+- ``compare``, ``plan_quality``: embshard beside TorchRec 1.8.0 (W1, W2, W4, W2-DLRM; the planners);
   ``serving``: quantized inference latency and memory beside TorchRec's.
 - ``build``: the four wheels and sdists into ``dist/``, then each package installed alone from
   them into a fresh virtual environment (PyPI for everything else) and imported (not a default
@@ -190,7 +190,7 @@ def _with_torchrec(session: nox.Session) -> None:
 
 @nox.session
 def compare(session: nox.Session) -> None:
-    """embshard vs TorchRec side by side (W1, W2, every sharding type, a mixed plan).
+    """embshard vs TorchRec side by side (W1, W2, W4, W2-DLRM; every sharding type, a mixed plan).
 
     TorchRec 1.8.0 declares the CUDA ``fbgemm-gpu``, which must never sit beside
     ``fbgemm-gpu-cpu``: it is installed with ``--no-deps``, plus the packages ``import torchrec``
