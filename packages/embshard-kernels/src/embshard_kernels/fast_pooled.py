@@ -1,9 +1,11 @@
-"""A fast plain-torch path for pooled fused lookups: one sort and one sparse product per step.
+"""A fast plain-torch path for pooled fused lookups: one sort and two ``embedding_bag`` per step.
 
 For SUM / MEAN pooled float32 tables on the CPU, tables of one width next to each other form a
-*run*; a step does one ``embedding_bag`` per run, sums each touched row's gradient with one sparse
-product (see :mod:`embshard_kernels.row_sums`) into a reused buffer, and applies embshard-optim's
-update function (SGD or RowWiseAdagrad) to those rows. Untouched rows and state are never written.
+*run*; a step does one ``embedding_bag`` per run for the lookup, sorts the run's ids once
+(:func:`embshard_kernels.row_sums.group_rows`), sums each touched row's gradient with a second
+``embedding_bag`` over the bags' gradients (each distinct row a "bag" of the bags that read it,
+adding them in id order), and applies embshard-optim's update function (SGD or RowWiseAdagrad)
+to those rows. Untouched rows and state are never written.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from torch import Tensor
 from embshard_kernels.fbgemm_mapping import device_type
 from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, arrange_pooled, split_pooled
-from embshard_kernels.row_sums import group_rows, sparse_product
-from embshard_kernels.workspace import Workspace
+from embshard_kernels.row_sums import group_rows
 from embshard_optim.sparse_rules.adagrad import rowwise_adagrad_update
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.sparse_rules.sgd import sgd_update
@@ -121,13 +122,13 @@ class SharedRowSums:
 
 class RowPlan(NamedTuple):
     """A run's CSR ``[distinct rows x bags]`` pattern (see ``FastPooledPath._plan``): sorted
-    int64 ``rows``, ``crow``, ``bags`` (column indices), ``values``, and how bags are numbered
-    (``sample_major_features``, 0: feature-major)."""
+    int64 ``rows``, ``crow``, ``bags`` (column indices), ``values`` (``None``: all ones), and
+    how bags are numbered (``sample_major_features``, 0: feature-major)."""
 
     rows: Tensor
     crow: Tensor
     bags: Tensor
-    values: Tensor
+    values: Tensor | None
     sample_major_features: int
 
 
@@ -154,8 +155,6 @@ class FastPooledPath:
         """Per run, its tables' names joined by ``+`` (what a row exchange is told)."""
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
-        self._space = Workspace()
-        self._ones_buffer = torch.ones(0)
         self._prepared: tuple[list[RunBatch], list[RowPlan | None]] | None = None
         first_rows = [sum(r for r, _ in shapes[:t]) for t in range(len(shapes))]
         self._table_firsts = [
@@ -287,7 +286,7 @@ class FastPooledPath:
                     bag_grads = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
                 features = 0
             plan = plans[i] if plans is not None else None
-            rows, summed = self._row_sums(bag_grads, batch, i, features, plan)
+            rows, summed = self._row_sums(bag_grads, batch, features, plan)
             if exchange is not None:
                 rows, summed = exchange(self.labels[i], rows, summed, run.rows)
             if rows.numel():
@@ -296,7 +295,8 @@ class FastPooledPath:
         for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
             run = self.runs[i]
             weight = self.run_weights(flat, run)
-            # the run's rows of the flat state; summed is a workspace, so the update may scale it
+            # the run's rows of the flat state; summed is this step's own, so the update may
+            # scale it
             at = slice(run.first_row, run.first_row + run.rows)
             run_state = {name: value[at] for name, value in state.items()}
             if spec.optim_type is OptimType.SGD:
@@ -345,7 +345,7 @@ class FastPooledPath:
     def _full_dims_of(self, i: int, rows: Tensor, full_dims: tuple[int, ...]) -> Tensor:
         """The full width of the table of each of run ``i``'s ``rows``."""
         run = self.runs[i]
-        if len(run.tables) == 1:
+        if len({full_dims[t] for t in run.tables}) == 1:  # one width: no per-row lookup
             return torch.tensor(float(full_dims[run.tables[0]]))
         firsts = torch.tensor(self._table_firsts[i])
         table = torch.searchsorted(firsts, rows, right=True) - 1
@@ -390,7 +390,7 @@ class FastPooledPath:
             unique.long(),  # index_add_ is much slower with int32 indices
             crow,
             bag_of_id,
-            self._ones(n) if values is None else values,
+            values,
             sample_major_features,
         )
 
@@ -398,15 +398,15 @@ class FastPooledPath:
         self,
         bag_grads: Tensor,
         batch: RunBatch,
-        run: int,
         sample_major_features: int = 0,
         plan: RowPlan | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each.
+        """The distinct rows of ``batch`` (sorted, int64) and the summed gradient of each (a
+        new tensor).
 
         The product of the run's pattern (``plan`` if prepared) with ``bag_grads`` (feature-major,
-        or sample-major with ``sample_major_features`` features), into run ``run``'s workspace
-        (valid until its next call).
+        or sample-major with ``sample_major_features`` features): one ``embedding_bag`` whose
+        bags are the distinct rows and whose "ids" are the bags that read them, in id order.
         """
         if plan is None or plan.sample_major_features != sample_major_features:
             plan = self._plan(batch, sample_major_features)
@@ -414,19 +414,15 @@ class FastPooledPath:
             return batch.rows.new_zeros(0, dtype=torch.int64), bag_grads.new_zeros(
                 0, bag_grads.shape[1]
             )
-        summed = self._workspace(run, plan.rows.numel(), bag_grads.shape[1])
-        sparse_product(plan.crow, plan.bags, plan.values, bag_grads, summed)
+        summed = F.embedding_bag(
+            plan.bags,
+            bag_grads,
+            plan.crow,
+            mode="sum",
+            per_sample_weights=plan.values,
+            include_last_offset=True,
+        )
         return plan.rows, summed
-
-    def _ones(self, n: int) -> Tensor:
-        """``n`` ones (float32), a view of one kept buffer: read-only, for unweighted sums."""
-        if self._ones_buffer.numel() < n:
-            self._ones_buffer = torch.ones(n + n // 4)
-        return self._ones_buffer[:n]
-
-    def _workspace(self, run: int, rows: int, width: int) -> Tensor:
-        """Run ``run``'s reused ``[rows, width]`` float32 buffer."""
-        return self._space.take(f"run{run}", (rows, width), torch.float32, torch.device("cpu"))
 
 
 def _divisors(batch: RunBatch) -> Tensor:

@@ -1,8 +1,8 @@
 """Summing gradient rows per distinct row id with one sparse product (CPU, float32).
 
 :func:`group_rows` sorts the row ids once (stably) into a CSR ``[distinct rows x entries]``
-pattern; :func:`sparse_product` multiplies it with the entries' rows by one ``addmm``. Used by
-the fast pooled backward and the data-parallel row exchange.
+pattern (the fast pooled backward then sums with ``embedding_bag``); :func:`sparse_product`
+multiplies it with the entries' rows by one ``addmm`` (the data-parallel row exchange).
 """
 
 from __future__ import annotations

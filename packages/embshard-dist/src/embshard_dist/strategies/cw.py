@@ -124,8 +124,9 @@ class CwSharding:
 
     def create_lookup(self) -> GroupedBagLookup:
         configs = self._per_rank[self._options.rank]
-        if not self._row_wise:
-            return GroupedBagLookup(configs, self._options)
+        if not any(self._needs_row_sums(t) for t in self._tables):
+            # no row sums to exchange: the fused path of choice (same kernels, same order)
+            return GroupedBagLookup(configs, self._options, kernel_key=self._kernel_key)
         lookup = GroupedBagLookup(
             configs, self._options, backend="torch", kernel_key=self._kernel_key
         )

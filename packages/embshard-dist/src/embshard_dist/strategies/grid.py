@@ -100,7 +100,9 @@ class GridSharding:
         return self._core.create_input_dist()
 
     def create_lookup(self) -> GroupedBagLookup:
-        if not self._row_wise:
+        if not any(self._needs_row_sums(t) for t in self._tables):
+            # no row sums to exchange (e.g. one column block per table on one node): the
+            # fused path of choice, as table-row-wise runs
             return self._core.create_lookup()
         lookup = self._core.create_lookup(backend="torch")
         for group, tbe in lookup.torch_tbes():
