@@ -25,7 +25,7 @@ from embshard_dist.sharded.context import (
 )
 from embshard_dist.sharded.embedding_bag import _column_index, _input_gate
 from embshard_dist.sharded.sharder import CollectionKind, CollectionSharder
-from embshard_dist.strategies.base import BagTable, EmbeddingBagSharding, ShardingStepContext
+from embshard_dist.strategies.base import EmbeddingBagSharding, ShardingStepContext
 from embshard_dist.strategies.cw import CwSharding
 from embshard_dist.strategies.lookup import GroupedBagLookup
 from embshard_dist.strategies.options import ShardingOptions
@@ -56,10 +56,6 @@ STRATEGIES: dict[ShardingType, type] = {
     ShardingType.ROW_WISE: RwSharding,
     ShardingType.COLUMN_WISE: CwSharding,
 }
-
-
-def _element_bytes(data_type: DataType) -> float:
-    return data_type.bits / 8
 
 
 class ShardedQuantEmbeddingBagCollection(
@@ -238,7 +234,7 @@ def _copy_block(
     full: QuantTableWeight, shard: QuantTableWeight, spec: ShardSpec, dt: DataType, name: str
 ) -> None:
     (r0, c0), (nr, nc) = spec.offsets, spec.sizes
-    per = _element_bytes(dt)
+    per = dt.bits / 8  # bytes per element of the packed rows
     b0, nb = c0 * per, nc * per
     if b0 != int(b0) or nb != int(nb):
         raise ValueError(
@@ -251,10 +247,6 @@ def _copy_block(
         if shard.weight_qscaleshift is not None:
             assert full.weight_qscaleshift is not None
             shard.weight_qscaleshift.copy_(full.weight_qscaleshift[r0 : r0 + nr])
-
-
-def _quant_configs(module: QuantEmbeddingBagCollection) -> list[EmbeddingBagConfig]:
-    return module.embedding_bag_configs()
 
 
 class QuantEmbeddingBagCollectionSharder(CollectionSharder[QuantEmbeddingBagCollection]):
@@ -270,7 +262,7 @@ class QuantEmbeddingBagCollectionSharder(CollectionSharder[QuantEmbeddingBagColl
         weights_attr="",
         strategies=STRATEGIES,
         sharded_type=ShardedQuantEmbeddingBagCollection,
-        configs=_quant_configs,
+        configs=QuantEmbeddingBagCollection.embedding_bag_configs,
     )
 
     def compute_kernels(
@@ -304,7 +296,7 @@ class QuantEmbeddingBagCollectionSharder(CollectionSharder[QuantEmbeddingBagColl
         bits = module.data_type.bits
         tables = build_tables(module.embedding_bag_configs(), params, env.world_size, device_type)
         for name, table in tables.items():
-            for spec in _specs(table):
+            for spec in table.specs or ():
                 for edge in (spec.offsets[1], spec.sizes[1]):
                     if (edge * bits) % 16:
                         raise ValueError(
@@ -313,7 +305,3 @@ class QuantEmbeddingBagCollectionSharder(CollectionSharder[QuantEmbeddingBagColl
                             f"whole pairs of bytes of {module.data_type.value}; use column "
                             f"blocks whose offsets and widths are multiples of {16 // bits}"
                         )
-
-
-def _specs(table: BagTable) -> list[ShardSpec]:
-    return list(table.specs or ())
