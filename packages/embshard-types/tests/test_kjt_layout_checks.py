@@ -138,3 +138,24 @@ def test_jagged_to_dense_names_lengths_that_do_not_fit() -> None:
         JaggedTensor(torch.arange(4), lengths=torch.tensor([2, 3])).to_dense()
     with pytest.raises(ValueError, match=r"lengths\[1\] = -1 is negative"):
         JaggedTensor(torch.arange(4), lengths=torch.tensor([2, -1, 3])).to_dense()
+
+
+def test_each_key_is_held_to_its_own_table_even_when_a_key_is_empty() -> None:
+    # Tables of 100, 5 and 50 rows: an id legal in one table is out of range in another.
+    checker = KJTChecker(["a", "b", "c"], [100, 5, 50], weighted=False)
+
+    def batch(values: list[int], lengths: list[int]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            ["a", "b", "c"], torch.tensor(values), lengths=torch.tensor(lengths)
+        )
+
+    assert checker.check(batch([99, 4, 49], [1, 0, 1, 0, 1, 0])) is None
+    assert checker.check(batch([99, 49], [1, 0, 0, 0, 1, 0])) is None  # 'b' has no ids
+    for values, lengths, feature, position, value in (
+        ([3, 7, 49], [1, 0, 1, 0, 1, 0], 1, 1, 7),  # 7 fits 'a' and 'c', not 'b'
+        ([99, 60], [1, 0, 0, 0, 0, 1], 2, 1, 60),  # 'b' empty, 'c' over
+        ([100, 4, 4], [0, 1, 2, 0, 0, 0], 0, 0, 100),  # 'c' empty, 'a' over
+    ):
+        problem = checker.check(batch(values, lengths))
+        assert problem is not None and problem.code is Problem.ID_OUT_OF_RANGE
+        assert (problem.feature, problem.position, problem.value) == (feature, position, value)

@@ -104,7 +104,9 @@ class KJTChecker:
             layout = _layout_problem(kjt, plan, given, values.numel())
             if layout is not None:
                 return layout
-        if values.numel() and (low < 0 or high >= self._min_rows):
+        if values.numel() and (
+            low < 0 or (high >= self._min_rows and _some_key_over(kjt, plan, values))
+        ):
             problem = self._id_problem(kjt, plan, values, low)
             if problem is not None:
                 return problem
@@ -137,6 +139,18 @@ class KJTChecker:
         k, sample = _locate_value(kjt, p)
         f = plan.feature_of_key[k]
         return InputProblem(Problem.ID_OUT_OF_RANGE, f, sample, p, int(values[p]), self._rows[f])
+
+
+def _some_key_over(kjt: KeyedJaggedTensor, plan: _KeyPlan, values: Tensor) -> bool:
+    """Whether some key's largest id reaches its table's row count: one max per key's slice of
+    ``values`` (views, one fused call), then one comparison. Cheaper than comparing every id
+    with its own limit, which only the search for the offending id needs."""
+    sizes = kjt.length_per_key()
+    filled = [i for i, n in enumerate(sizes) if n]
+    slices = [s for s in values.split(sizes) if s.numel()]
+    maxima = torch.stack(torch._foreach_max(slices))
+    limits = plan.limits if len(filled) == len(sizes) else plan.limits[filled]
+    return bool((maxima >= limits).any())
 
 
 def _summary(
