@@ -1,4 +1,4 @@
-"""The served models of the serving benchmark: a DLRM on W2's tables, six ways.
+"""The served models of the serving benchmark: a DLRM on W2's tables, six ways, eager or compiled.
 
 embshard fp32 / INT8 / INT4 (``embshard_dist.models.DLRM`` over embshard's collections, quantized
 by ``quantize_embeddings``) and TorchRec 1.8.0 fp32 / INT8 / INT4 (``torchrec.models.dlrm.DLRM``
@@ -6,6 +6,12 @@ over TorchRec's collection, quantized by ``torchrec.quant.embedding_modules
 .EmbeddingBagCollection.from_float``, as ``torchrec.inference.modules.quantize_embeddings``
 does). Every variant holds the same initial W2 weights and, seeded alike, the same dense
 parameters; a batch of ``B`` samples is W2's id distribution with 13 dense features.
+
+A variant name ending in ``+compiled`` (e.g. ``embshard-int8+compiled``) is that model under
+``torch.compile`` with Inductor's freezing (weights as constants, as for serving): the whole
+forward, lookups included, is one graph for embshard. TorchRec's quantized model does not
+compile (dynamo stops in FBGEMM's inference module, at the TorchScript cache-location queue);
+``build`` returns it anyway and the benchmark reports its error.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +37,8 @@ VARIANTS = (
     "torchrec-int8",
     "torchrec-int4",
 )
+COMPILED = "+compiled"
+"""Suffix of a variant served under ``torch.compile`` (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -148,8 +156,17 @@ def torchrec_model(dtype: str) -> nn.Module:
     return model
 
 
+def is_variant(name: str) -> bool:
+    """Whether ``name`` is a variant: one of ``VARIANTS``, with or without ``+compiled``."""
+    return name.removesuffix(COMPILED) in VARIANTS
+
+
 def build(variant: str) -> tuple[nn.Module, Callable[[ServingBatch], Any]]:
     """The model of ``variant`` and a function that turns a batch into its inputs."""
+    if variant.endswith(COMPILED):
+        model, inputs = build(variant.removesuffix(COMPILED))
+        compiled = torch.compile(model, options={"freezing": True})
+        return cast(nn.Module, compiled), inputs
     library, dtype = variant.split("-")
     if library == "embshard":
         from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor

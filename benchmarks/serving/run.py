@@ -9,7 +9,10 @@ Latency: every variant (``models.VARIANTS``) is built in this process; for each 
 variants' forwards run interleaved (one forward of each in turn, starting with a different one
 each round) under ``torch.inference_mode``, for about ``--seconds`` per batch size, after a
 warm-up; p50 / p99 per forward and throughput = batch / mean. Outputs are compared first:
-embshard's and TorchRec's fp32 models must agree exactly, and their INT8 and INT4 models too.
+embshard's and TorchRec's fp32 models must agree exactly, and their INT8 and INT4 models too; a
+compiled variant (``+compiled``, see ``models``) agrees with its eager model within
+``COMPILED_TOLERANCE`` (Inductor fuses and reorders float operations). A variant that cannot
+serve (TorchRec's quantized model under ``torch.compile``) is reported with its error.
 Memory: each variant in a fresh process, its peak resident memory (``VmHWM``) growth from
 after the imports to after building the model and serving one batch of 64; embshard's quantized
 variants are built as a server would, from a quantized export (``embshard checkpoint export
@@ -35,10 +38,20 @@ import torch
 from benchmarks.serving import models
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "serving"
+COMPILED_TOLERANCE = 1e-4
+"""Largest |difference| allowed between a compiled variant's logits and its eager model's."""
+DEFAULT_VARIANTS = [
+    *models.VARIANTS,
+    "embshard-fp32+compiled",
+    "embshard-int8+compiled",
+    "embshard-int4+compiled",
+    "torchrec-int8+compiled",
+]
 
 
 def _check_outputs(built: dict[str, Any]) -> dict[str, float]:
-    """Largest difference of each pair that must agree, on one batch of 64."""
+    """Largest difference of each pair that must agree, on one batch of 64: embshard and
+    TorchRec of one data type, and a compiled variant and its eager model."""
     batch = models.batches(64, 1, seed=99)[0]
     with torch.inference_mode():
         out = {v: model(*inputs(batch)) for v, (model, inputs) in built.items()}
@@ -47,15 +60,37 @@ def _check_outputs(built: dict[str, Any]) -> dict[str, float]:
         a, b = f"embshard-{dtype}", f"torchrec-{dtype}"
         if a in out and b in out:
             pairs[f"{a} vs {b}"] = float((out[a] - out[b]).abs().max())
+    for v in out:
+        eager = v.removesuffix(models.COMPILED)
+        if v != eager and eager in out:
+            pairs[f"{v} vs {eager}"] = float((out[v] - out[eager]).abs().max())
     return pairs
+
+
+def _build(variants: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The variants that build and serve a first batch, and why each other one did not."""
+    built, errors = {}, {}
+    probe = models.batches(8, 1, seed=98)[0]
+    for v in variants:
+        try:
+            model, inputs = models.build(v)
+            with torch.inference_mode():
+                model(*inputs(probe))
+        except Exception as e:  # e.g. TorchRec's quantized model under torch.compile
+            lines = str(e).strip().splitlines()
+            errors[v] = f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+            continue
+        built[v] = (model, inputs)
+    return built, errors
 
 
 def latency(
     variants: list[str], sizes: list[int], seconds: float, warmup: int = 5
 ) -> dict[str, Any]:
-    built = {v: models.build(v) for v in variants}
+    built, errors = _build(variants)
+    variants = [v for v in variants if v in built]
     agreement = _check_outputs(built)
-    results: dict[str, Any] = {"agreement": agreement, "by_batch": {}}
+    results: dict[str, Any] = {"agreement": agreement, "errors": errors, "by_batch": {}}
     for size in sizes:
         requests = models.batches(size, 16, seed=size)
         inputs = {v: [built[v][1](b) for b in requests] for v in variants}
@@ -128,6 +163,8 @@ def _exports(root: Path, dtypes: list[str]) -> None:
 
 
 def memory(variants: list[str]) -> dict[str, Any]:
+    """Peak memory of each eager variant (a compiled one holds the same tables)."""
+    variants = [v for v in variants if not v.endswith(models.COMPILED)]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=RESULTS) as tmp:
         dtypes = sorted({v.split("-")[1] for v in variants if v.startswith("embshard")} - {"fp32"})
@@ -150,12 +187,14 @@ def memory(variants: list[str]) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> str:
     lines = ["agreement (largest |difference| of outputs, batch 64):"]
     lines += [f"  {pair}: {diff:.3g}" for pair, diff in result["latency"]["agreement"].items()]
+    for v, why in result["latency"]["errors"].items():
+        lines.append(f"  {v}: could not serve: {why}")
     for size, rows in result["latency"]["by_batch"].items():
         lines.append(f"\nbatch {size}:")
         lines.append("| variant | p50 ms | p99 ms | samples/s | vs TorchRec same dtype (p50) |")
         lines.append("| --- | --- | --- | --- | --- |")
         for v, r in rows.items():
-            peer = rows.get(v.replace("embshard", "torchrec"))
+            peer = rows.get(v.replace("embshard", "torchrec").removesuffix(models.COMPILED))
             ratio = (
                 f"{r['p50_ms'] / peer['p50_ms']:.2f}" if v.startswith("embshard") and peer else ""
             )
@@ -187,12 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 512])
     parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds per batch size")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--variants", nargs="+", default=list(models.VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
     args = parser.parse_args(argv)
-    unknown = [v for v in args.variants if v not in models.VARIANTS]
+    unknown = [v for v in args.variants if not models.is_variant(v)]
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(models.VARIANTS)}")
+        parser.error(
+            f"unknown variants {unknown}; choose from {list(models.VARIANTS)}, each optionally "
+            f"with {models.COMPILED!r}"
+        )
     torch.set_num_threads(args.threads)
     RESULTS.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -207,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (RESULTS / f"serving-{stamp}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"serving-{stamp}.md").write_text(text + "\n")
-    bad = {k: v for k, v in result["latency"]["agreement"].items() if v != 0.0}
+    bad = {
+        k: v
+        for k, v in result["latency"]["agreement"].items()
+        if v > (COMPILED_TOLERANCE if models.COMPILED in k else 0.0)
+    }
     if bad:
         print(f"outputs differ: {bad}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ from embshard_kernels._fbgemm import EmbeddingLocation, IntNBitTableBatchedEmbed
 from embshard_kernels.base import BaseBatchedEmbedding
 from embshard_kernels.dense import traced_bounds_check
 from embshard_kernels.fbgemm_mapping import (
+    bounds_check_to_fbgemm,
     check_kernel_available,
     data_type_to_sparse_type,
     pooling_type_to_pooling_mode,
@@ -89,6 +90,8 @@ class _QuantKernel(BaseBatchedEmbedding):
             device=self.device,
             output_dtype=data_type_to_sparse_type(params.output_dtype),
             indices_dtype=torch.int64,
+            # embshard checks ids before every eager lookup; the traced one checks its own
+            bounds_check_mode=bounds_check_to_fbgemm(params.bounds_check_mode),
         )
         module.initialize_weights()
         self._set_emb_module(module)

@@ -56,7 +56,16 @@ class SparseArch(nn.Module):
         return out
 
     def stack(self, pooled: KeyedTensor | LazyAwaitable[KeyedTensor]) -> torch.Tensor:
-        """``[batch, F, D]`` from :meth:`pooled`'s output (waiting for it if still in flight)."""
+        """``[batch, F, D]`` from :meth:`pooled`'s output (waiting for it if still in flight).
+
+        Output already in feature order (an unsharded collection's) is reshaped, not copied.
+        """
+        if (
+            pooled.keys() == self._sparse_feature_names
+            and pooled.key_dim() == 1
+            and pooled.values().dim() == 2
+        ):
+            return pooled.values().reshape(-1, self.F, self.D)
         by_feature = pooled.to_dict()
         missing = [f for f in self._sparse_feature_names if f not in by_feature]
         if missing:
