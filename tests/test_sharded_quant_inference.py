@@ -3,8 +3,8 @@
 Every rank quantizes the same trained float collection, shards it (table-wise, row-wise,
 column-wise, and a mix, by the sharder and through DistributedModelParallel with its planner),
 and looks up its own part of a global batch; the result is compared with the unsharded
-quantized collection on that part. Table-wise and column-wise are exact; row-wise sums each
-bag's partial pools across ranks, so it is compared within fp32 rounding of that sum.
+quantized collection on that part: exactly, for every sharding type (row-wise fetches each id's
+packed row and pools on the caller's rank, with the same kernel, bytes and order).
 """
 
 from __future__ import annotations
@@ -141,12 +141,47 @@ def test_sharded_quantized_matches_unsharded(data_type: str, name: str) -> None:
     # A column block keeps its rows' 4 bytes of scale and bias; the other types split rows.
     extra = {"tw": 0, "rw": 0, "cw": 4 * (40 + 23 + 31), "mixed": 4 * 31}[name]
     for got, expected, held in results:
-        if name in ("tw", "cw"):
-            assert torch.equal(got, expected)
-        else:  # row-wise: partial pools summed across ranks
-            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got, expected)
         assert held < full  # each rank keeps only its shards
     assert sum(held for _, _, held in results) == full + extra
+
+
+def _weighted_row_wise(data_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rank = dist.get_rank()
+    torch.manual_seed(5)
+    tables = [TABLES[0], TABLES[1]]  # SUM pooling: weighted bags
+    ebc = EmbeddingBagCollection(tables, is_weighted=True)
+    with torch.no_grad():
+        for p in ebc.parameters():
+            p.uniform_(-0.5, 0.5)
+    quant = quantize_embeddings(ebc, data_type)
+    assert isinstance(quant, QuantEmbeddingBagCollection) and quant.is_weighted()
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    plan = EmbeddingModuleShardingPlan(
+        {t.name: ParameterSharding(ShardingType.ROW_WISE, "quant") for t in tables}
+    )
+    sharded = QuantEmbeddingBagCollectionSharder().shard(quant, plan, env, test_device())
+    g = torch.Generator().manual_seed(rank)
+    keys = ["f0", "f1", "f2"]
+    lengths = torch.randint(0, 6, (len(keys) * BATCH,), generator=g)
+    lengths[:BATCH] = 0  # this rank asks nothing of 'f0'
+    rows = torch.tensor([40, 23, 23]).repeat_interleave(BATCH)
+    values = torch.cat(
+        [
+            torch.randint(0, int(r), (int(n),), generator=g)
+            for r, n in zip(rows, lengths, strict=True)
+        ]
+    )
+    weights = torch.rand(values.numel(), generator=g)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, weights=weights)
+    got = sharded(kjt.to(test_device())).wait().values().cpu()
+    return got, quant(kjt).values()
+
+
+@pytest.mark.parametrize("data_type", ["int8", "int4"])
+def test_row_wise_fetch_is_exact_with_weights_and_empty_features(data_type: str) -> None:
+    for got, expected in run_on_ranks(2, _weighted_row_wise, data_type):
+        assert torch.equal(got, expected)
 
 
 class _Model(nn.Module):
@@ -185,7 +220,7 @@ def _dmp(data_type: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
 def test_dmp_plans_and_serves_quantized_tables() -> None:
     for got, expected, kinds in run_on_ranks(2, _dmp, "int8"):
         assert set(kinds) == {"t0", "t1", "t2"}
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got, expected), kinds
 
 
 def _bad_columns() -> str:

@@ -66,6 +66,7 @@ try:
     )
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
         IntNBitTableBatchedEmbeddingBagsCodegen,
+        rounded_row_size_in_bytes,
     )
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         DenseTableBatchedEmbeddingBagsCodegen,
@@ -98,6 +99,7 @@ __all__ = [
     "EmbOptimType",
     "EmbeddingLocation",
     "FbgemmWeightDecayMode",
+    "rounded_row_size_in_bytes",
     "IntNBitTableBatchedEmbeddingBagsCodegen",
     "PoolingMode",
     "SparseType",

@@ -14,7 +14,12 @@ from typing import Self
 import torch
 from torch import Tensor, nn
 
-from embshard_kernels._fbgemm import EmbeddingLocation, IntNBitTableBatchedEmbeddingBagsCodegen
+from embshard_kernels._fbgemm import (
+    EmbeddingLocation,
+    IntNBitTableBatchedEmbeddingBagsCodegen,
+    SparseType,
+    rounded_row_size_in_bytes,
+)
 from embshard_kernels.base import BaseBatchedEmbedding
 from embshard_kernels.dense import traced_bounds_check
 from embshard_kernels.fbgemm_mapping import (
@@ -199,6 +204,13 @@ class _QuantKernel(BaseBatchedEmbedding):
         )
         return restored[:, : table.cols]
 
+    def full_rows(self, table: int) -> Tensor:
+        """Table ``table``'s rows as the kernel stores them, ``[rows, stored_row_bytes]`` uint8
+        (scale and bias, packed values, padding): a live view. :func:`pool_packed_rows` pools
+        rows in this form exactly as this kernel does."""
+        rows: Tensor = self._emb_module.split_embedding_weights_with_scale_bias(0)[table][0]
+        return rows
+
     def dequantized_weights(self) -> list[Tensor]:
         """Per table, its weights as float32 (copies), for inspection and error reports."""
         return [self._dequantize(t.name) for t in self._config.embedding_tables]
@@ -264,6 +276,81 @@ def _traced_lookup(
         fp8_exponent_bias=tbe.fp8_exponent_bias,
     )
     return lookup
+
+
+def _row_alignment(device: torch.device) -> int:
+    return 1 if device.type == "cpu" else 16  # FBGEMM's default for its IntNBit kernel
+
+
+def stored_row_bytes(dim: int, data_type: DataType | str, device: torch.device | str) -> int:
+    """Bytes of one row of ``dim`` values of ``data_type`` as the quantized kernel stores it."""
+    dt = DataType.parse(data_type, what="quantized data type")
+    return int(
+        rounded_row_size_in_bytes(
+            dim, data_type_to_sparse_type(dt), _row_alignment(torch.device(device))
+        )
+    )
+
+
+def pool_packed_rows(
+    rows: Tensor,
+    starts: Sequence[int],
+    dims: Sequence[int],
+    data_type: DataType | str,
+    indices: Tensor,
+    offsets: Tensor,
+    pooling: PoolingType,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """Pool bags over stored rows (see :meth:`_QuantKernel.full_rows`) with FBGEMM's kernel.
+
+    Args:
+        rows: flat uint8, one block of stored rows per table, starting at ``starts``.
+        dims: per table, its embedding dimension (all tables of ``data_type``).
+        indices / offsets: as a TBE takes them (row numbers within each table's block;
+            ``tables x batch`` bags).
+        pooling: ``sum`` or ``mean``.
+
+    Returns:
+        ``[batch, sum of dims]`` float32: what the kernel holding those rows would return.
+    """
+    ty = data_type_to_sparse_type(DataType.parse(data_type, what="quantized data type"))
+    device = rows.device
+    location = EmbeddingLocation.HOST if device.type == "cpu" else EmbeddingLocation.DEVICE
+    count = len(dims)
+    dim_offsets = [0]
+    for d in dims:
+        dim_offsets.append(dim_offsets[-1] + d)
+
+    def widest(kind: SparseType) -> int:
+        return max(dims) if ty.value == kind.value and dims else 0
+
+    pooled: Tensor = torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+        dev_weights=rows,  # host rows on the CPU, device rows on CUDA
+        uvm_weights=rows.new_empty(0),
+        weights_placements=torch.full((count,), location.value, dtype=torch.int32, device=device),
+        weights_offsets=torch.tensor(list(starts), dtype=torch.int64, device=device),
+        weights_tys=torch.full((count,), ty.as_int(), dtype=torch.uint8, device=device),
+        D_offsets=torch.tensor(dim_offsets, dtype=torch.int32, device=device),
+        total_D=dim_offsets[-1],
+        max_int2_D=widest(SparseType.INT2),
+        max_int4_D=widest(SparseType.INT4),
+        max_int8_D=widest(SparseType.INT8),
+        max_float16_D=widest(SparseType.FP16),
+        max_float32_D=widest(SparseType.FP32),
+        indices=indices.long(),
+        offsets=offsets.long(),
+        pooling_mode=int(pooling_type_to_pooling_mode(pooling)),
+        indice_weights=weights,
+        output_dtype=SparseType.FP32.as_int(),
+        lxu_cache_weights=rows.new_empty(0, 0),
+        lxu_cache_locations=indices.new_empty(0, dtype=torch.int32),
+        row_alignment=_row_alignment(device),
+        max_float8_D=0,
+        fp8_exponent_bits=-1,
+        fp8_exponent_bias=-1,
+    )
+    return pooled
 
 
 def quant_config(

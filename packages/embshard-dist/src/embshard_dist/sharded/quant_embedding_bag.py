@@ -5,9 +5,10 @@ for row-wise the bucketizing) -> lookup of this rank's shards -> output dist. Ta
 row-wise and column-wise. Each rank keeps only its shards' packed rows: a row-wise quantized row
 carries its own fp16 scale and bias, so a block of rows, or of columns with the rows' scale and
 bias, dequantizes exactly as in the whole table. No optimizer and no backward: the forward runs
-under ``torch.no_grad``. Outputs equal the unsharded ``QuantEmbeddingBagCollection``'s: exactly
-for table-wise and column-wise; for row-wise, up to the order of the fp32 sum of a bag's rows
-(each rank pools its block, then the partial pools are summed).
+under ``torch.no_grad``. Outputs equal the unsharded ``QuantEmbeddingBagCollection``'s exactly:
+table-wise and column-wise pool on the owner; row-wise fetches each id's packed row and pools on
+the caller (:mod:`~embshard_dist.sharded.quant_row_fetch`), since summing partial pools across
+ranks would change the order of a bag's fp32 sum.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from embshard_dist.sharded.context import (
     KeyedTensorAwaitable,
 )
 from embshard_dist.sharded.embedding_bag import _column_index, _input_gate
+from embshard_dist.sharded.quant_row_fetch import RwRowFetchSharding, fetch_rows
 from embshard_dist.sharded.sharder import CollectionKind, CollectionSharder
-from embshard_dist.strategies.base import EmbeddingBagSharding, ShardingStepContext
+from embshard_dist.strategies.base import EmbeddingBagSharding
 from embshard_dist.strategies.cw import CwSharding
 from embshard_dist.strategies.lookup import GroupedBagLookup
 from embshard_dist.strategies.options import ShardingOptions
-from embshard_dist.strategies.rw import RwSharding
+from embshard_dist.strategies.sequence import SequenceStepContext
 from embshard_dist.strategies.tw import TwSharding
 from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.quant import QuantTableWeight
@@ -53,7 +55,7 @@ __all__ = ["QuantEmbeddingBagCollectionSharder", "ShardedQuantEmbeddingBagCollec
 
 STRATEGIES: dict[ShardingType, type] = {
     ShardingType.TABLE_WISE: TwSharding,
-    ShardingType.ROW_WISE: RwSharding,
+    ShardingType.ROW_WISE: RwRowFetchSharding,
     ShardingType.COLUMN_WISE: CwSharding,
 }
 
@@ -133,7 +135,8 @@ class ShardedQuantEmbeddingBagCollection(
         return [lk for lk in self.lookups if isinstance(lk, GroupedBagLookup)]
 
     def create_context(self) -> EmbeddingBagCollectionContext:
-        return EmbeddingBagCollectionContext([ShardingStepContext() for _ in self._shardings])
+        # Row fetching reads its lookup's input back in the output dist (a sequence context).
+        return EmbeddingBagCollectionContext([SequenceStepContext() for _ in self._shardings])
 
     def input_dist(
         self, ctx: EmbeddingBagCollectionContext, *input: Any, **kwargs: Any
@@ -159,8 +162,18 @@ class ShardedQuantEmbeddingBagCollection(
     def compute(
         self, ctx: EmbeddingBagCollectionContext, dist_input: list[KeyedJaggedTensor]
     ) -> list[Tensor]:
+        out = []
         with torch.no_grad():
-            return [lk(kjt) for lk, kjt in zip(self._lookups(), dist_input, strict=True)]
+            for sharding, lookup, kjt, sctx in zip(
+                self._shardings, self._lookups(), dist_input, ctx.sharding_contexts, strict=True
+            ):
+                if isinstance(sharding, RwRowFetchSharding):
+                    assert isinstance(sctx, SequenceStepContext)
+                    sctx.lookup_input = kjt
+                    out.append(fetch_rows(lookup, kjt))
+                else:
+                    out.append(lookup(kjt))
+        return out
 
     def output_dist(
         self, ctx: EmbeddingBagCollectionContext, output: list[Tensor]
