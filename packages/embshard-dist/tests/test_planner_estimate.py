@@ -197,3 +197,20 @@ def test_quantized_tables_are_priced_as_packed_rows_without_optimizer_state() ->
     # 16 int8 values and an fp16 scale and bias per row; no backward.
     assert served.storage == 1000 * (16 + 4) + buffers
     assert served.compute_s < trained.compute_s
+
+
+def test_row_wise_quantized_comms_price_every_fetched_row() -> None:
+    """Sharded quantized row-wise sends each id's stored row back (row fetching), so its
+    output traffic grows with the ids and the row width, not with the pooled outputs."""
+    topo = Topology(world_size=2)
+    model = CostModel(topo, ADAGRAD_RW)
+
+    def comms(dim: int, pooling: float) -> float:
+        lt = _loaded(PlannerTable("t", 1000, dim, data_type="int8"), pooling=pooling)
+        cost = holder_cost(lt, ShardingType.ROW_WISE, ComputeKernel.QUANT, 500, dim, model)
+        return cost.comms_s
+
+    ids_in = 2 * 10 * 4.0 * 500 / 1000  # global ids x the shard's share of the rows
+    wider = comms(64, 4.0) - comms(16, 4.0)  # only the fetched rows' bytes differ
+    assert wider == pytest.approx(ids_in * 48 / topo.intra_node_bw / 2, rel=1e-9)
+    assert comms(16, 8.0) > comms(16, 4.0)

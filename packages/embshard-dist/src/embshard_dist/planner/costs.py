@@ -164,7 +164,10 @@ def holder_cost(
     in_bytes = ids_in * lt.id_bytes + global_bags * _LENGTH_BYTES
     out_bytes = global_outputs * cols * lt.output_bytes
     comms = _spread(in_bytes, topo)
-    if sharding_type in _NODE_REDUCED:
+    if kernel is ComputeKernel.QUANT and sharding_type is ShardingType.ROW_WISE:
+        # Row fetching (sharded quantized inference): every id's stored row goes back.
+        comms += _spread(ids_in * (cols * lt.table.element_bytes + QUANT_ROW_BYTES), topo)
+    elif sharding_type in _NODE_REDUCED:
         comms += _reduced_within_node(4 * out_bytes, topo)
         comms += _across_nodes(2 * out_bytes / topo.ranks_per_node, topo)
     elif sharding_type is ShardingType.ROW_WISE:
