@@ -109,19 +109,22 @@ class InteractionArch(nn.Module):
     """
 
     triu_indices: torch.Tensor
+    _flat_pairs: torch.Tensor
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
         self.F: int = num_sparse_features
         pairs = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
         self.register_buffer("triu_indices", pairs, persistent=False)
+        # The same pairs as positions in a flattened [F + 1, F + 1] (one index_select).
+        self.register_buffer("_flat_pairs", pairs[0] * (self.F + 1) + pairs[1], persistent=False)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
         dots = torch.bmm(combined, combined.transpose(1, 2))
-        flat = dots[:, self.triu_indices[0], self.triu_indices[1]]
+        flat = dots.flatten(1).index_select(1, self._flat_pairs)
         return torch.cat((dense_features, flat), dim=1)
 
 
