@@ -19,7 +19,8 @@ from embshard_dist.strategies.nodes import subgroup
 from embshard_dist.strategies.options import ShardingOptions
 from embshard_dist.strategies.route import PooledOutputDist, RoutedInputDist
 from embshard_dist.strategies.sequence import PooledSequenceSharding, blocks_output_dist
-from embshard_kernels.grouping import ShardedTableConfig
+from embshard_kernels.grouping import GroupedEmbeddingConfig, ShardedTableConfig
+from embshard_kernels.tbe import Backend
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimType
 from embshard_types.shard_spec import ShardSpec
@@ -124,13 +125,17 @@ class CwSharding:
 
     def create_lookup(self) -> GroupedBagLookup:
         configs = self._per_rank[self._options.rank]
-        if not any(self._needs_row_sums(t) for t in self._tables):
-            # no row sums to exchange: the fused path of choice (same kernels, same order)
-            return GroupedBagLookup(configs, self._options, kernel_key=self._kernel_key)
-        lookup = GroupedBagLookup(
-            configs, self._options, backend="torch", kernel_key=self._kernel_key
-        )
         by_name = {t.name: t for t in self._tables}
+
+        def backend(group: GroupedEmbeddingConfig) -> Backend:
+            # Only kernels holding a block that exchanges row sums need the torch TBE's hook;
+            # the others take the fused path of choice (same kernels, same order).
+            tables = group.embedding_tables
+            return "torch" if any(self._needs_row_sums(by_name[t.name]) for t in tables) else "auto"
+
+        lookup = GroupedBagLookup(
+            configs, self._options, backend=backend, kernel_key=self._kernel_key
+        )
         row_sums: dict[tuple[int, ...], ColumnRowSum] = {}
         for group, tbe in lookup.torch_tbes():
             reductions: list[RowReduction | None] = []

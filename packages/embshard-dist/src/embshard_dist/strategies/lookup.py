@@ -33,6 +33,9 @@ _FUSED = (ComputeKernel.FUSED, ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_
 KernelKey = Callable[[ShardedTableConfig], Hashable]
 """Tables with different keys never share a kernel."""
 
+GroupBackend = Backend | Callable[[GroupedEmbeddingConfig], Backend]
+"""A fused backend for every group, or a group's own (e.g. ``"torch"`` only where it needs hooks)."""
+
 
 def _groups(
     tables: Sequence[ShardedTableConfig],
@@ -50,6 +53,14 @@ def _groups(
     groups = [g for members in buckets.values() for g in group_tables(members)]
     # Kernels in order of their first table: the same relative order on every rank.
     return sorted(groups, key=lambda g: position[id(g.embedding_tables[0])])
+
+
+def _group_backend(group: GroupedEmbeddingConfig, backend: GroupBackend) -> Backend:
+    """``group``'s fused backend: ``backend``'s choice, but the torch TBE for a group with an empty
+    shard (FBGEMM's CPU TBE mishandles 0 rows)."""
+    if any(t.rows == 0 for t in group.embedding_tables):
+        return "torch"
+    return backend(group) if callable(backend) else backend
 
 
 def kernel_feature_order(
@@ -106,7 +117,8 @@ class GroupedBagLookup(nn.Module):
     """Lookups of this rank's shards in grouped kernels.
 
     Args:
-        backend: fused kernels' backend (``"torch"`` where the update needs embshard's rules).
+        backend: fused kernels' backend (``"torch"`` where the update needs embshard's rules),
+            or a function giving each group its own.
         one_table_per_kernel: give every table its own kernel (backward in reverse table order).
         kernel_key: tables of different keys get different kernels, ordered by first table.
     """
@@ -116,7 +128,7 @@ class GroupedBagLookup(nn.Module):
         tables: Sequence[ShardedTableConfig],
         options: ShardingOptions,
         *,
-        backend: Backend = "auto",
+        backend: GroupBackend = "auto",
         state_format: StateFormat | None = None,
         one_table_per_kernel: bool = False,
         kernel_key: KernelKey | None = None,
@@ -124,12 +136,11 @@ class GroupedBagLookup(nn.Module):
         super().__init__()
         self.tables = list(tables)
         groups = _groups(self.tables, one_table_per_kernel, kernel_key)
-        # Groups with an empty shard run on the torch TBE: FBGEMM's CPU TBE mishandles 0 rows.
         self.kernels = nn.ModuleList(
             build_bag_kernel(
                 g,
                 options,
-                backend="torch" if any(t.rows == 0 for t in g.embedding_tables) else backend,
+                backend=_group_backend(g, backend),
                 state_format=state_format,
             )
             for g in groups
