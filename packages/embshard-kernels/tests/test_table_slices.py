@@ -74,7 +74,8 @@ def test_kernel_parameters_are_live_views_of_the_fbgemm_buffer() -> None:
     kernel(random_kjt([("t1", 10), ("t2", 6)], 3, seed=4)).sum().backward()  # SGD in backward
     assert not torch.equal(before, params["t1"])  # the slice saw the update without a copy
     assert [n for n, _ in kernel.named_parameters()] == ["t1.weight", "t2.weight"]
-    assert list(dict(kernel.named_buffers())) == []
+    # only the per-feature row counts a traced lookup bounds-checks with (not in state_dict)
+    assert list(dict(kernel.named_buffers())) in ([], ["_rows_per_feature"])
 
 
 def test_dense_slices_get_the_flat_gradient_and_train_with_torch_optimizers() -> None:

@@ -4,6 +4,12 @@
 :func:`~embshard_kernels.tbe.build_fused_tbe` picks; ``fused_optimizer`` exposes its state. The
 config is checked at construction and every batch before the TBE runs, so a bad batch changes
 neither weights nor optimizer state.
+
+Under ``torch.compile`` FBGEMM's fused CPU op cannot be traced (it has no fake kernel, in the
+forward nor in the backward that updates the weights), so a traced training forward breaks its
+graph there. A traced forward without gradients on the CPU looks up fp32 pooled tables with
+FBGEMM's dense op on the same weights (the same CPU kernel: the same outputs), and bounds-checks
+the ids in the graph instead of calling ``check_features``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import Tensor
 from embshard_kernels.accumulate import ATTR as _ACCUMULATION_ATTR
 from embshard_kernels.accumulate import GradAccumulation
 from embshard_kernels.base import BaseBatchedEmbedding
+from embshard_kernels.dense import register_dense_lookup_fake, traced_bounds_check
 from embshard_kernels.fbgemm_mapping import (
     check_kernel_available,
     check_training_data_type,
@@ -23,9 +30,9 @@ from embshard_kernels.fbgemm_mapping import (
 )
 from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.grouping import GroupedEmbeddingConfig, ShardedTableConfig
-from embshard_kernels.inputs import check_features, to_tbe_input
+from embshard_kernels.inputs import TBEInput, check_features, to_tbe_input
 from embshard_kernels.slices import table_slices
-from embshard_kernels.tbe import Backend, build_fused_tbe
+from embshard_kernels.tbe import Backend, FbgemmFusedTBE, build_fused_tbe
 from embshard_optim.embedding_fused import EmbeddingFusedOptimizer, TableShardInfo
 from embshard_optim.sharded_state import StateFormat
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
@@ -99,6 +106,7 @@ class _FusedKernel(BaseBatchedEmbedding):
     """The fused kernel; the public classes below fix whether it pools."""
 
     _SEQUENCE: ClassVar[bool] = False
+    _rows_per_feature: Tensor
 
     def __init__(
         self,
@@ -115,6 +123,20 @@ class _FusedKernel(BaseBatchedEmbedding):
         params = config.fused_params or FusedParams()
         tbe = build_fused_tbe(config, params, self.device, backend=backend)
         self._set_emb_module(tbe)
+        self._traced_inference = (
+            isinstance(tbe, FbgemmFusedTBE)
+            and not self._SEQUENCE
+            and tbe.module.weights_host.numel() > 0
+            and tbe.module.weights_host.dtype == torch.float32
+        )
+        if self._traced_inference:
+            register_dense_lookup_fake()
+            rows = [t.rows for t in config.embedding_tables]
+            self.register_buffer(
+                "_rows_per_feature",
+                torch.tensor([rows[t] for t in config.feature_table_map()], dtype=torch.int64),
+                persistent=False,
+            )
         buffer, offsets = tbe.weight_buffer()
         slices = table_slices(buffer, offsets, [(t.rows, t.cols) for t in config.embedding_tables])
         self._attach_tables(list(slices))
@@ -168,7 +190,41 @@ class _FusedKernel(BaseBatchedEmbedding):
         args = to_tbe_input(features, weighted=self._config.is_weighted)
         if self._accumulation.engaged():
             return self._accumulation.lookup(args)
+        if self._traced_without_grad(args):
+            return self._dense_lookup(args)
         out: Tensor = self._emb_module(*args)
+        return out
+
+    def _traced_without_grad(self, args: TBEInput) -> bool:
+        """Whether this call is traced, without gradients, on a path the dense op can serve."""
+        if not self._traced_inference or args.batch_size_per_feature_per_rank is not None:
+            return False
+        return torch.compiler.is_compiling() and not torch.is_grad_enabled()
+
+    def _dense_lookup(self, args: TBEInput) -> Tensor:
+        """The fused TBE's pooled lookup by FBGEMM's (traceable) dense op, without gradients."""
+        if self.check_inputs:
+            traced_bounds_check(
+                self._rows_per_feature, args.indices, args.offsets, args.per_sample_weights
+            )
+        tbe = self._emb_module
+        assert isinstance(tbe, FbgemmFusedTBE)
+        m = tbe.module
+        out: Tensor = torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
+            m.weights_host,
+            m.weights_offsets,
+            m.D_offsets,
+            m.total_D,
+            m.max_D,
+            m.hash_size_cumsum,
+            m.total_hash_size_bits,
+            args.indices,
+            args.offsets,
+            int(m.pooling_mode),
+            args.per_sample_weights,
+            None,
+            m.output_dtype,
+        )
         return out
 
 

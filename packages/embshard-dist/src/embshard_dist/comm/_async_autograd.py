@@ -3,7 +3,9 @@
 ``_Start`` issues the forward collective and returns an empty token; ``_Finish`` (run by the
 awaitable's ``wait()``) waits and returns the output. In the backward, ``_Finish`` issues the
 reverse collective of the output's gradient and ``_Start`` waits for it. One op object
-(:class:`SplitCollective`) holds one call's state.
+(:class:`SplitCollective`) holds one call's state. Under ``torch.compile`` both run eagerly
+(``timeouts.at_collective``), so a traced forward breaks its graph at the collective's start and
+wait, and autograd records them as in eager mode.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from embshard_dist.comm.timeouts import at_collective
 from embshard_types.awaitables import Awaitable
 
 
@@ -69,16 +72,27 @@ class CollectiveAwaitable(Awaitable[Tensor]):
     def __init__(self, op: SplitCollective, input: Tensor) -> None:
         super().__init__()
         self._op = op
-        token = _Start.apply(op, input)
-        assert isinstance(token, Tensor)
+        token = _start(op, input)
         self._token: Tensor | None = token
         self._output: Tensor | None = None
 
     def _wait_impl(self) -> Tensor:
         if self._output is None:
             assert self._token is not None
-            output = _Finish.apply(self._op, self._token)
-            assert isinstance(output, Tensor)
-            self._output = output
+            self._output = _finish(self._op, self._token)
             self._token = None
         return self._output
+
+
+@at_collective
+def _start(op: SplitCollective, input: Tensor) -> Tensor:
+    token = _Start.apply(op, input)
+    assert isinstance(token, Tensor)
+    return token
+
+
+@at_collective
+def _finish(op: SplitCollective, token: Tensor) -> Tensor:
+    output = _Finish.apply(op, token)
+    assert isinstance(output, Tensor)
+    return output

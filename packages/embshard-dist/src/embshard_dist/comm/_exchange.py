@@ -93,6 +93,8 @@ def start_all_to_all(
 def _joined(wire: Sequence[Tensor]) -> Tensor | None:
     """One flat view of ``wire`` when its chunks already lie one after another in one buffer
     (e.g. row blocks of a contiguous tensor, sent as they are), so that nothing is copied."""
+    if torch.compiler.is_compiling():
+        return None  # storage offsets are not traceable: a traced graph copies the chunks
     if not wire or any(w.dim() != 1 or w.stride(0) != 1 for w in wire):
         return None
     first = wire[0]

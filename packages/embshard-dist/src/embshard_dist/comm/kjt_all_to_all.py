@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from embshard_dist.comm._dtypes import dtype_code, dtype_name
-from embshard_dist.comm.timeouts import PendingCollective, Timeout, issue
+from embshard_dist.comm.timeouts import PendingCollective, Timeout, at_collective, issue
 from embshard_types.awaitables import Awaitable
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
@@ -218,6 +218,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         self._timeout = timeout
         self._result: KJTAllToAllTensorsAwaitable | None = None
 
+    @at_collective
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         if self._result is None:
             self._pending.wait()
@@ -399,9 +400,27 @@ class KJTAllToAll(nn.Module):
                 f"{NAME} on rank {self._rank}: the KJT has {len(keys)} keys {keys} but splits "
                 f"{self._splits} add up to {self._ranges[-1][1]}"
             )
+        pending, recv_header = self._start_header(input, status)
+        return KJTAllToAllSplitsAwaitable(
+            pending=pending,
+            header=recv_header,
+            input=input,
+            ranges=self._ranges,
+            rank=self._rank,
+            group=self._pg,
+            order=self._order,
+            timeout=self._timeout,
+            status=status,
+        )
+
+    @at_collective
+    def _start_header(
+        self, input: KeyedJaggedTensor, status: InputStatus | None
+    ) -> tuple[PendingCollective, Tensor]:
+        """Issue phase 1: each peer's header, read from ``input``'s per-key sizes."""
         weights = input.weights_or_none()
         fixed = [0] * _FIXED
-        fixed[_CRC] = _keys_checksum(keys, self._splits)
+        fixed[_CRC] = _keys_checksum(input.keys(), self._splits)
         fixed[_WEIGHTED] = int(weights is not None)
         fixed[_LEN_DTYPE] = dtype_code(input.lengths().dtype)
         fixed[_VAL_DTYPE] = dtype_code(input.values().dtype)
@@ -427,14 +446,4 @@ class KJTAllToAll(nn.Module):
             timeout=self._timeout,
             device=device,
         )
-        return KJTAllToAllSplitsAwaitable(
-            pending=pending,
-            header=recv_header,
-            input=input,
-            ranges=self._ranges,
-            rank=self._rank,
-            group=self._pg,
-            order=self._order,
-            timeout=self._timeout,
-            status=status,
-        )
+        return pending, recv_header

@@ -5,6 +5,9 @@ the CPU (gloo) a wait blocks at most the limit (the call's ``timeout``, else
 ``EMBSHARD_COLLECTIVE_TIMEOUT_S``, else 120 s); a dead or hung peer raises
 :class:`CollectiveError`. On accelerators the wait orders the stream; the group's own timeout
 (NCCL's watchdog) bounds a hang. After the error the group is unusable: report it and exit.
+
+Under ``torch.compile`` both run eagerly (:func:`at_collective`): a traced forward breaks its
+graph at each collective's start and wait, and the break names :data:`COMPILE_BREAK_REASON`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,19 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 
 Timeout = float | int | timedelta | None
 """A time limit: seconds, a ``timedelta``, or ``None`` for the environment / default limit."""
+
+COMPILE_BREAK_REASON = "embshard collective"
+"""What ``torch.compile`` reports (in the break's reason) for a graph break at a collective."""
+
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def at_collective(fn: _F) -> _F:
+    """``fn`` (which starts or waits for collectives), run eagerly under ``torch.compile``: a
+    traced graph breaks at its call, and the break's reason names :data:`COMPILE_BREAK_REASON`
+    and ``fn``. Eager calls are unchanged."""
+    reason = f"{COMPILE_BREAK_REASON}: {fn.__qualname__}"
+    return cast(_F, torch.compiler.disable(fn, reason=reason))
 
 
 def collective_timeout(timeout: Timeout = None) -> timedelta:
@@ -173,6 +190,7 @@ class PendingCollective:
     peer: int | None = None
     _done: bool = False
 
+    @at_collective
     def wait(self) -> None:
         """Wait for the collective; idempotent.
 
@@ -214,6 +232,7 @@ def _first_line(message: str) -> str:
     return line if len(line) <= 400 else line[:400] + "..."
 
 
+@at_collective
 def issue(
     collective: str,
     start: Callable[[], dist.Work | None],

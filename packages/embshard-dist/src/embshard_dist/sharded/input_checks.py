@@ -10,6 +10,11 @@ same :class:`~embshard_types.sparse.input_problems.InvalidInputError`, naming th
 feature, the table and the value; no phase 2 starts, no lookup runs, no state changes.
 ``EMBSHARD_SKIP_INPUT_CHECKS=1`` (or ``check_inputs=False``) skips the checks for inputs validated
 upstream: bad input then fails on its own rank only, or not at all.
+
+Under ``torch.compile`` the checks that read tensor data cannot be traced: a traced forward
+checks what its trace fixes (type, dtypes, features, weights present; the verdict travels as in
+eager mode) and bounds-checks the ids in the graph (FBGEMM's op, which raises on this rank only);
+the layout and weight-finiteness checks are skipped there, as the kernels skip theirs.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from torch import nn
 from embshard_dist.comm.collectives import collective_device
 from embshard_dist.comm.gather import PendingGather, start_all_gather
 from embshard_dist.comm.kjt_all_to_all import STATUS_WORDS, InputStatus
+from embshard_kernels.dense import traced_bounds_check
+from embshard_kernels.inputs import to_tbe_input
 from embshard_types.awaitables import Awaitable
-from embshard_types.sparse.input_problems import InputProblem, InvalidInputError
+from embshard_types.sparse.input_problems import InputProblem, InvalidInputError, Problem
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.kjt_checks import KJTChecker, input_checks_enabled
 
@@ -56,6 +63,7 @@ class InputGate:
         self._features = list(features)
         self._tables = dict(tables)
         self._weighted = weighted
+        self._rows = dict(zip(self._features, (int(r) for r in rows), strict=True))
         self._checker = KJTChecker(self._features, rows, weighted=weighted)
         self.enabled = input_checks_enabled() if check_inputs is None else check_inputs
 
@@ -72,11 +80,38 @@ class InputGate:
             if not isinstance(features, KeyedJaggedTensor):
                 raise TypeError(f"{owner} takes a KeyedJaggedTensor, got {type(features).__name__}")
             return features, InputStatus(_GOOD, self.error)
-        problem = self._checker.check(features)
+        if torch.compiler.is_compiling():
+            problem = self._traced_check(features)
+        else:
+            problem = self._checker.check(features)
         if problem is None:
             assert isinstance(features, KeyedJaggedTensor)
             return features, InputStatus(_GOOD, self.error)
         return self._stand_in(), InputStatus(tuple(problem.encode()), self.error)
+
+    def _traced_check(self, features: object) -> InputProblem | None:
+        """The checks a traced graph can make (see the module docstring), in the checker's
+        order; a batch that passes them has its ids bounds-checked in the graph."""
+        if not isinstance(features, KeyedJaggedTensor):
+            return InputProblem(Problem.NOT_A_KJT)
+        values, weights = features.values(), features.weights_or_none()
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            return self._checker.check(features)  # a dtype problem: no tensor data is read
+        if weights is not None and self._weighted and not weights.is_floating_point():
+            return self._checker.check(features)
+        keys = features.keys()
+        missing = next((f for f, name in enumerate(self._features) if name not in keys), None)
+        if missing is not None:
+            return InputProblem(Problem.MISSING_FEATURE, feature=missing)
+        if self._weighted and weights is None and self._features:
+            return InputProblem(Problem.WEIGHTS_MISSING)
+        if not features.variable_stride_per_key():
+            # per-feature batch sizes would need FBGEMM's VBE offsets: the kernels check those
+            args = to_tbe_input(features, weighted=self._weighted)
+            rows = [self._rows.get(k, torch.iinfo(torch.int64).max) for k in keys]
+            limits = torch.tensor(rows, dtype=torch.int64, device=values.device)
+            traced_bounds_check(limits, args.indices, args.offsets, args.per_sample_weights)
+        return None
 
     def error(self, rank: int, words: list[int]) -> InvalidInputError:
         """The error for ``rank``'s verdict ``words`` (the same on every rank)."""

@@ -2,7 +2,10 @@
 goes to bucket ``r`` as local id ``v - b_r``, laid out bucket-major, then feature, then sample.
 
 Ids keep their order within a bucket; ``bucketized[unbucketize_permute] == original``; ids
-outside ``[0, rows)`` raise ``ValueError`` naming feature and sample before any work.
+outside ``[0, rows)`` raise ``ValueError`` naming feature and sample before any work. Under
+``torch.compile`` the same routing runs in whole-tensor ops that read no tensor data into Python
+(no graph break), and the checks of lengths and ids become traced asserts (``RuntimeError``
+naming no feature: the trace cannot say which one).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def bucketize_ids(
     strides = [int(s) for s in stride_per_feature]
     _check_args(values, lengths, block_boundaries, strides, weights, feature_names)
     num_buckets = len(block_boundaries[0]) - 1 if num_features else 1
+    if torch.compiler.is_compiling():
+        return _traced_bucketize(values, lengths, block_boundaries, strides, weights, with_permute)
     device = values.device
     lengths64 = lengths.to(torch.int64)
     ends = torch.cat([lengths64.new_zeros(1), torch.cumsum(lengths64, 0)])
@@ -88,6 +93,58 @@ def bucketize_ids(
     new_lengths = _bucket_lengths(bucket, lengths64, num_buckets)
     return BucketizedIds(
         lengths=new_lengths.to(lengths.dtype),
+        values=local.index_select(0, order).to(values.dtype),
+        weights=None if weights is None else weights.index_select(0, order),
+        unbucketize_permute=unbucketize,
+        num_buckets=num_buckets,
+    )
+
+
+def _traced_bucketize(
+    values: Tensor,
+    lengths: Tensor,
+    block_boundaries: Sequence[Sequence[int]],
+    strides: list[int],
+    weights: Tensor | None,
+    with_permute: bool,
+) -> BucketizedIds:
+    """:func:`bucketize_ids` for a traced graph: the same result, from per-id table rows and
+    bucket edges gathered by feature instead of per-feature slices cut at data-dependent ends."""
+    device = values.device
+    num_buckets = len(block_boundaries[0]) - 1 if block_boundaries else 1
+    lengths64 = lengths.to(torch.int64)
+    num_ids, num_bags = values.numel(), lengths.numel()
+    edges = torch.tensor(
+        [[int(x) for x in b] for b in block_boundaries] or [[0, 0]],
+        dtype=torch.int64,
+        device=device,
+    )
+    bag_feature = torch.repeat_interleave(
+        torch.arange(len(strides), device=device),
+        torch.tensor(strides, dtype=torch.int64, device=device),
+        output_size=num_bags,
+    )
+    id_bag = torch.repeat_interleave(
+        torch.arange(num_bags, device=device), lengths64, output_size=num_ids
+    )
+    id_edges = edges.index_select(0, bag_feature.index_select(0, id_bag))
+    ids = values.to(torch.int64)
+    torch._assert_async(
+        ((ids >= 0) & (ids < id_edges[:, -1])).all(),
+        "bucketize_ids: an id is outside its table's rows; hash or clamp ids before sharding",
+    )
+    # searchsorted(edges[1:-1], id, right=True) per id: how many inner edges are <= the id
+    bucket = (ids.unsqueeze(1) >= id_edges[:, 1:-1]).sum(1)
+    local = ids - id_edges.gather(1, bucket.unsqueeze(1)).squeeze(1)
+    order = torch.sort(bucket, stable=True).indices
+    unbucketize = None
+    if with_permute:
+        unbucketize = torch.empty_like(order)
+        unbucketize[order] = torch.arange(num_ids, device=device)
+    counts = torch.zeros(num_buckets * num_bags, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket * num_bags + id_bag, torch.ones_like(bucket))
+    return BucketizedIds(
+        lengths=counts.to(lengths.dtype),
         values=local.index_select(0, order).to(values.dtype),
         weights=None if weights is None else weights.index_select(0, order),
         unbucketize_permute=unbucketize,
@@ -158,6 +215,12 @@ def _check_args(
                 f"{where}: {_feature_label(feature_names, f)} has boundaries {bl}; expected "
                 "at least 2 non-decreasing entries starting at 0"
             )
+    if torch.compiler.is_compiling():
+        torch._assert_async(
+            (lengths >= 0).all() & (lengths.sum() == values.numel()),
+            f"{where}: lengths must be non-negative and add up to the number of ids",
+        )
+        return
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"{where}: lengths must be non-negative")
     if int(lengths.sum()) != values.numel():

@@ -173,7 +173,7 @@ def check_layout(
                 f"{owner}: {name} has {num_segments} entries but stride_per_key_per_rank adds "
                 f"up to {expected} ({per_key}); give one length per key per sample"
             )
-        return stride if stride is not None else max(stride_per_key, default=0)
+        return stride if stride is not None else (max(stride_per_key) if stride_per_key else 0)
     if not keys:
         if num_segments != 0:
             raise ValueError(f"{owner}: no keys but {name} has {num_segments} entries")
