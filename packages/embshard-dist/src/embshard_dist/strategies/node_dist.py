@@ -2,8 +2,9 @@
 
 Input: ids bucketized over all ranks with boundaries padded outside the unit's node, then one
 KJT all-to-all whose samples arrive staggered by local position. Output: partial bags summed
-inside the node in local-rank order (same bits on every rank), then one all-to-all across
-nodes; ranks may have different batch sizes.
+inside the node by a reduce-scatter over its ranks (the one row-wise uses; on gloo an all-to-all
+summed in local-rank order), then one all-to-all across nodes; ranks may have different batch
+sizes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from embshard_dist.comm.columns import ColumnOrder
 from embshard_dist.comm.kjt_all_to_all import KJTAllToAll
 from embshard_dist.comm.pooled_all_to_all import PooledEmbeddingsAllToAll
+from embshard_dist.comm.reduce_scatter import PooledEmbeddingsReduceScatter
 from embshard_dist.strategies.base import (
     FeatureSelector,
     ReceivedFeatures,
@@ -142,15 +144,12 @@ class NodeRowWiseOutputDist(nn.Module):
         super().__init__()
         self._topology = topology
         self._width = int(node_widths[topology.node])
-        lws = topology.local_world_size
-        self._intra: PooledEmbeddingsAllToAll | None = None
+        self._intra: PooledEmbeddingsReduceScatter | None = None
         if groups.intra is not None and self._width > 0:
-            # The 1/N rule, applied by its backward.
-            self._intra = PooledEmbeddingsAllToAll(
-                groups.intra,
-                [self._width] * lws,
-                codecs=reduce_codecs,
-                grad_scale=1.0 / topology.world_size,
+            # A reduce-scatter over the node: each local rank gets its stripe summed in
+            # local-rank order; the 1/N rule is applied by its backward.
+            self._intra = PooledEmbeddingsReduceScatter(
+                groups.intra, codecs=reduce_codecs, grad_scale=1.0 / topology.world_size
             )
         self._cross: PooledEmbeddingsAllToAll | None = None
         if groups.cross is not None:
@@ -173,7 +172,6 @@ class NodeRowWiseOutputDist(nn.Module):
         stage1: Awaitable[Tensor]
         if self._intra is not None:  # its backward divides by N
             stage1 = self._intra(embeddings, stripes)
-            stage1.callbacks.append(self._sum_partials)
         elif topo.local_world_size > 1:  # nothing on this node: a [stripe, 0] tensor
             scaled = scale_grad(embeddings, topo.world_size)
             stage1 = NoWait(scaled.narrow(0, 0, stripes[topo.local_rank]))
@@ -187,14 +185,6 @@ class NodeRowWiseOutputDist(nn.Module):
         if self._columns is not None:
             result.callbacks.append(self._columns)
         return result
-
-    def _sum_partials(self, received: Tensor) -> Tensor:
-        """Each node rank's partials, side by side, summed in local-rank order."""
-        parts = received.split(self._width, dim=1)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
 
     def _divisor(self, bag_lengths: Tensor, dtype: torch.dtype) -> Tensor:
         """``[batch, received columns]``: the bag size in MEAN columns, 1 elsewhere."""
