@@ -204,12 +204,11 @@ class _QuantKernel(BaseBatchedEmbedding):
         )
         return restored[:, : table.cols]
 
-    def full_rows(self, table: int) -> Tensor:
-        """Table ``table``'s rows as the kernel stores them, ``[rows, stored_row_bytes]`` uint8
-        (scale and bias, packed values, padding): a live view. :func:`pool_packed_rows` pools
+    def full_rows(self) -> list[Tensor]:
+        """Per table, its rows as the kernel stores them, ``[rows, stored_row_bytes]`` uint8
+        (scale and bias, packed values, padding): live views. :func:`pool_packed_rows` pools
         rows in this form exactly as this kernel does."""
-        rows: Tensor = self._emb_module.split_embedding_weights_with_scale_bias(0)[table][0]
-        return rows
+        return [rows for rows, _, _ in self._emb_module.split_embedding_weights_with_scale_bias(0)]
 
     def dequantized_weights(self) -> list[Tensor]:
         """Per table, its weights as float32 (copies), for inspection and error reports."""

@@ -16,13 +16,11 @@ plus 4 for INT8) instead of a share of a pooled fp32 row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from embshard_dist.strategies.base import BagTable, FeatureSelector, ShardingStepContext
-from embshard_dist.strategies.layout import boundaries
 from embshard_dist.strategies.lookup import GroupedBagLookup
 from embshard_dist.strategies.options import ShardingOptions
 from embshard_dist.strategies.rw import RwInputDist, RwSharding
@@ -34,14 +32,6 @@ from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.vocab import CommOp, ShardingType
 
 __all__ = ["RwRowFetchSharding", "fetch_rows"]
-
-
-@dataclass(frozen=True)
-class _Where:
-    """Where this rank keeps a feature's row block: its kernel and the table's index in it."""
-
-    kernel: QuantBatchedEmbeddingBag
-    table: int
 
 
 class RwRowFetchSharding:
@@ -69,16 +59,11 @@ class RwRowFetchSharding:
 
     def create_input_dist(self) -> nn.Module:
         features = self.feature_names()
-        row_boundaries = []
-        for f in features:
-            specs = self._by_feature[f].specs
-            assert specs is not None
-            row_boundaries.append(boundaries([s.sizes[0] for s in specs]))
         tables = {f: t.name for f, t in self._by_feature.items()}
         inner = RwInputDist(
             self._options.pg,
             features,
-            row_boundaries,
+            self._rw.row_boundaries(),
             tables,
             is_weighted=self._options.is_weighted,
             keep_lengths=True,
@@ -115,15 +100,16 @@ class _KeepInput(nn.Module):
         return started
 
 
-def _locate(lookup: GroupedBagLookup) -> dict[str, _Where]:
-    where = {}
+def _stored_rows(lookup: GroupedBagLookup) -> dict[str, Tensor]:
+    """Feature -> the stored rows of this rank's block of its table (live views)."""
+    out = {}
     for kernel in lookup.kernels:
         if not isinstance(kernel, QuantBatchedEmbeddingBag):
             raise TypeError(f"row fetching reads quantized kernels, got {type(kernel).__name__}")
-        for t, table in enumerate(kernel.config.embedding_tables):
-            for feature in table.feature_names:
-                where[feature] = _Where(kernel, t)
-    return where
+        tables = kernel.config.embedding_tables
+        for table, rows in zip(tables, kernel.full_rows(), strict=True):
+            out.update(dict.fromkeys(table.feature_names, rows))
+    return out
 
 
 def fetch_rows(lookup: GroupedBagLookup, features: KeyedJaggedTensor) -> Tensor:
@@ -131,14 +117,13 @@ def fetch_rows(lookup: GroupedBagLookup, features: KeyedJaggedTensor) -> Tensor:
 
     ``features`` holds this rank's local row numbers (the row-wise input dist's output).
     """
-    where = _locate(lookup)
-    pieces = []
-    for feature, ids in zip(
-        features.keys(), features.values().split(features.length_per_key()), strict=True
-    ):
-        spot = where[feature]
-        packed = spot.kernel.full_rows(spot.table)
-        pieces.append(packed.index_select(0, ids.long()).reshape(-1))
+    stored = _stored_rows(lookup)
+    pieces = [
+        stored[feature].index_select(0, ids.long()).reshape(-1)
+        for feature, ids in zip(
+            features.keys(), features.values().split(features.length_per_key()), strict=True
+        )
+    ]
     if not pieces:
         return torch.empty(0, dtype=torch.uint8, device=features.device())
     return torch.cat(pieces)

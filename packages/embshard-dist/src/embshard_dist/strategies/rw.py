@@ -159,16 +159,20 @@ class RwSharding:
     def _mean(self) -> list[bool]:
         return [self._by_feature[f].config.pooling is PoolingType.MEAN for f in self._features]
 
-    def create_input_dist(self) -> nn.Module:
-        row_boundaries = []
+    def row_boundaries(self) -> list[list[int]]:
+        """Per feature (in :meth:`feature_names` order), its table's row block boundaries."""
+        out = []
         for f in self._features:
             specs = self._by_feature[f].specs
             assert specs is not None
-            row_boundaries.append(boundaries([s.sizes[0] for s in specs]))
+            out.append(boundaries([s.sizes[0] for s in specs]))
+        return out
+
+    def create_input_dist(self) -> nn.Module:
         return RwInputDist(
             self._options.pg,
             self._features,
-            row_boundaries,
+            self.row_boundaries(),
             {f: t.name for f, t in self._by_feature.items()},
             is_weighted=self._options.is_weighted,
             keep_lengths=any(self._mean()),
