@@ -18,6 +18,20 @@ def test_import_is_lazy() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_public_names_leave_the_compiler_unloaded() -> None:
+    """Every public name, sharders and collectives included, resolves without importing torch's
+    compiler (dynamo and inductor: a second and ~150 MB per process); only ``torch.compile``
+    loads it."""
+    code = (
+        "import sys, embshard_dist; "
+        "import embshard_dist.sharded.embedding_bag, embshard_dist.comm.kjt_all_to_all; "
+        "[getattr(embshard_dist, n) for n in embshard_dist.__all__]; "
+        "print([m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_public_names_resolve() -> None:
     import embshard_dist
 

@@ -12,12 +12,14 @@ graph at each collective's start and wait, and the break names :data:`COMPILE_BR
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -40,9 +42,53 @@ _F = TypeVar("_F", bound=Callable[..., object])
 def at_collective(fn: _F) -> _F:
     """``fn`` (which starts or waits for collectives), run eagerly under ``torch.compile``: a
     traced graph breaks at its call, and the break's reason names :data:`COMPILE_BREAK_REASON`
-    and ``fn``. Eager calls are unchanged."""
+    and ``fn``. Eager calls are unchanged.
+
+    Importing torch's compiler costs a second and ~150 MB per process, so this does not: the
+    wrapper carries the marks ``torch.compiler.disable`` sets (dynamo reads them where it meets
+    the call), dynamo is told never to trace the wrapper's own frame, and once ``torch._dynamo``
+    is loaded (only then can a call be compiled) ``fn`` runs through ``torch.compiler.disable``.
+    Where this torch lacks the hook for the frame, ``fn`` is disabled at once instead.
+    """
     reason = f"{COMPILE_BREAK_REASON}: {fn.__qualname__}"
-    return cast(_F, torch.compiler.disable(fn, reason=reason))
+    if not _skip_frames_of(_lazy_wrapper):
+        return cast(_F, torch.compiler.disable(fn, reason=reason))
+    return cast(_F, _lazy_wrapper(fn, reason))
+
+
+def _lazy_wrapper(fn: Callable[..., object], reason: str) -> Callable[..., object]:
+    disabled: Callable[..., object] | None = None
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn, reason=reason)
+        return disabled(*args, **kwargs)
+
+    marks: Any = wrapper
+    marks._torchdynamo_disable = True
+    marks._torchdynamo_disable_msg = reason
+    return wrapper
+
+
+@functools.cache
+def _skip_frames_of(factory: Callable[..., Callable[..., object]]) -> bool:
+    """Tell dynamo never to trace a frame of the functions ``factory`` makes (they share one
+    code object); ``False`` where this torch has no such hook."""
+    try:
+        from torch._C._dynamo import eval_frame
+
+        code = factory(lambda: None, "").__code__
+        strategy = eval_frame._FrameExecStrategy(
+            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.DEFAULT
+        )
+        eval_frame.set_code_exec_strategy(code, strategy)
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return False
+    return True
 
 
 def collective_timeout(timeout: Timeout = None) -> timedelta:
