@@ -2,7 +2,8 @@
 
 Runs as :mod:`.twrw` with every column block as a unit. Row-wise optimizer statistics are
 summed over the ranks holding one row (:class:`~embshard_dist.strategies.cw.ColumnRowSum`),
-so every block applies the unsharded update; one kernel per such table keeps the order fixed.
+so every block applies the unsharded update; the tables summed over one set of ranks share a
+kernel and one gather, in one order on every rank of the set.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from embshard_dist.strategies.lookup import GroupedBagLookup
 from embshard_dist.strategies.nodes import node_groups, subgroup
 from embshard_dist.strategies.options import ShardingOptions
 from embshard_dist.strategies.twrw import NodeUnit, RowWiseInNodes, node_topology
+from embshard_kernels.grouping import ShardedTableConfig
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.shard_spec import ShardSpec
 from embshard_types.vocab import ComputeKernel, ShardingType
@@ -60,25 +62,36 @@ class GridSharding:
             ]
         units = [u for t in self._tables for u in self._units[t.name]]
         needs = {t.name for t in self._tables if self._needs_row_sums(t)}
+        self._needs = needs
+        # Per (table, row offset): the ranks holding those rows, one per column block; they
+        # sum each touched row's partial squares. Every rank creates every group, in table order.
+        node_groups(options.pg, topology)
+        self._row_ranks: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._row_groups: dict[tuple[int, ...], Any] = {}
+        for table in self._tables:
+            if table.name not in needs:
+                continue
+            for local in range(topology.local_world_size):
+                specs = [u.specs[local] for u in self._units[table.name]]
+                ranks = tuple(sorted(spec.rank for spec in specs))
+                for spec in specs:
+                    self._row_ranks[(table.name, spec.offsets[0])] = ranks
+                if ranks not in self._row_groups:
+                    self._row_groups[ranks] = subgroup(options.pg, list(ranks))
         self._core = RowWiseInNodes(
             units,
             options,
             topology,
-            # A table with cross-node row sums gets its own kernel, so collectives keep one order.
-            kernel_key=lambda config: config.name if config.name in needs else None,
+            # Tables whose rows are summed over one set of ranks share a kernel (one gather of
+            # row sums for all); kernels keep one order on every rank of the set.
+            kernel_key=lambda config: self._row_sum_ranks(config) if config.name in needs else None,
         )
         self._by_feature = {f: t for t in self._tables for f in t.config.feature_names}
-        # Process groups are made by every rank, in table order, whether it joins or not.
-        node_groups(options.pg, topology)
-        self._row_groups: dict[str, Any] = {}
-        for table in self._tables:
-            if not self._needs_row_sums(table):
-                continue
-            for local in range(topology.local_world_size):
-                ranks = sorted(u.specs[local].rank for u in self._units[table.name])
-                group = subgroup(options.pg, ranks)
-                if options.rank in ranks:
-                    self._row_groups[table.name] = group
+
+    def _row_sum_ranks(self, config: ShardedTableConfig) -> tuple[int, ...]:
+        """The ranks that sum the rows of the shard ``config`` holds."""
+        assert config.local_metadata is not None
+        return self._row_ranks[(config.name, config.local_metadata.offsets[0])]
 
     def _needs_row_sums(self, table: BagTable) -> bool:
         return (
@@ -100,20 +113,23 @@ class GridSharding:
         return self._core.create_input_dist()
 
     def create_lookup(self) -> GroupedBagLookup:
-        if not any(self._needs_row_sums(t) for t in self._tables):
+        if not self._needs:
             # no row sums to exchange (e.g. one column block per table on one node): the
             # fused path of choice, as table-row-wise runs
             return self._core.create_lookup()
         lookup = self._core.create_lookup(backend="torch")
+        row_sums: dict[tuple[int, ...], ColumnRowSum] = {}  # one per set of ranks, shared
         for group, tbe in lookup.torch_tbes():
             reductions: list[RowReduction | None] = []
             for table in group.embedding_tables:
-                pg = self._row_groups.get(table.name)
-                reductions.append(
-                    None
-                    if pg is None
-                    else RowReduction(ColumnRowSum(pg, table.name), table.embedding_dim)
-                )
+                if table.name not in self._needs:
+                    reductions.append(None)
+                    continue
+                ranks = self._row_sum_ranks(table)
+                if ranks not in row_sums:
+                    label = "grid_ranks_" + "_".join(str(r) for r in ranks)
+                    row_sums[ranks] = ColumnRowSum(self._row_groups[ranks], label)
+                reductions.append(RowReduction(row_sums[ranks], table.embedding_dim))
             tbe.row_reductions = reductions
         return lookup
 
