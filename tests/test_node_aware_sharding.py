@@ -8,8 +8,9 @@ and, after 3 steps, every local shard of every table's weights and optimizer sta
 unsharded module stepped with ``L = (1/N) * sum_i L_i`` (within 1e-6: row blocks add partial
 bags). Row-wise state of column blocks (grid, table-column-wise) must equal the full row's.
 The node size comes from the sharder's ``local_world_size=2`` in most cases, from the
-``LOCAL_WORLD_SIZE`` environment variable in one, and one case puts all 4 ranks in one node
-(table-row-wise is then row-wise with a fixed summation order). Batches have uneven local sizes (one rank has
+``LOCAL_WORLD_SIZE`` environment variable in one, one case puts all 4 ranks in one node
+(table-row-wise is then row-wise with a fixed summation order) and two give every rank a node
+of its own (table-row-wise and grid without an intra-node stage). Batches have uneven local sizes (one rank has
 none), empty bags, a table read by two features, SUM and MEAN pooling, a table with fewer rows
 than a node has ranks' worth of blocks, and a key order that differs from the collection's.
 
@@ -93,10 +94,12 @@ def _ps(
     return ParameterSharding(kind, "fused", ranks=ranks, shards=shards)
 
 
-def _grid(name: str, widths: list[int], nodes: list[int]) -> ParameterSharding:
+def _grid(
+    name: str, widths: list[int], nodes: list[int], node_size: int = NODE
+) -> ParameterSharding:
     """A grid sharding with explicit block widths, block ``c`` on node ``nodes[c]``."""
     config = next(t for t in TABLES if t.name == name)
-    blocks = [[n * NODE + lr for lr in range(NODE)] for n in nodes]
+    blocks = [[n * node_size + lr for lr in range(node_size)] for n in nodes]
     specs = grid_specs(
         config.num_embeddings,
         config.embedding_dim,
@@ -145,6 +148,17 @@ def plan_for(name: str) -> EmbeddingModuleShardingPlan:
             "t4": _ps(ShardingType.GRID_SHARD, [0, 1, 2, 3]),
             "t5": _grid("t5", [8], [0]),
             "t6": _grid("t6", [4, 8], [1, 0]),
+        },
+        # one rank per node (sharder's local_world_size=1): the multi-node layouts with no
+        # intra-node stage; grid blocks of MEAN tables reordered across nodes
+        "rank_nodes": {
+            "t0": _grid("t0", [4, 4], [3, 1], node_size=1),
+            "t1": _ps(twrw, [2]),
+            "t2": _grid("t2", [4, 12], [0, 2], node_size=1),
+            "t3": _ps(twrw, [1]),
+            "t4": _ps(twrw, [3]),
+            "t5": _grid("t5", [4, 4], [2, 0], node_size=1),
+            "t6": _grid("t6", [8, 4], [1, 3], node_size=1),
         },
         "mixed": {
             "t0": _ps(ShardingType.DATA_PARALLEL),
@@ -314,6 +328,8 @@ CASES = [
     Case("one_node", "adam", node_size=WORLD),
     Case("twrw", DENSE),
     Case("grid", DENSE, weighted=True),
+    Case("rank_nodes", "rowwise_adagrad", node_size=1),
+    Case("rank_nodes", "sgd", weighted=True, node_size=1),
 ]
 
 

@@ -151,11 +151,22 @@ class NodeRowWiseOutputDist(nn.Module):
             self._intra = PooledEmbeddingsReduceScatter(
                 groups.intra, codecs=reduce_codecs, grad_scale=1.0 / topology.world_size
             )
+        # One rank per node: no intra stage, so the all-to-all across nodes applies the 1/N
+        # rule in its backward. With one, it also puts the columns in order as it assembles
+        # them (no second copy either way); on one node a column order is applied after.
+        self._scaled_by_cross = groups.cross is not None and topology.local_world_size == 1
         self._cross: PooledEmbeddingsAllToAll | None = None
         if groups.cross is not None:
             self._cross = PooledEmbeddingsAllToAll(
-                groups.cross, list(node_widths), codecs=all_to_all_codecs
+                groups.cross,
+                list(node_widths),
+                codecs=all_to_all_codecs,
+                columns=columns,
+                grad_scale=1.0 / topology.world_size if self._scaled_by_cross else 1.0,
             )
+            if columns is not None:  # its output is in output order, so are MEAN's flags
+                received_features = [received_features[c] for c in columns]
+            columns = None
         self._mean: Tensor | None = None
         self._mean_features: Tensor | None = None
         if any(mean):
@@ -175,6 +186,8 @@ class NodeRowWiseOutputDist(nn.Module):
         elif topo.local_world_size > 1:  # nothing on this node: a [stripe, 0] tensor
             scaled = scale_grad(embeddings, topo.world_size)
             stage1 = NoWait(scaled.narrow(0, 0, stripes[topo.local_rank]))
+        elif self._scaled_by_cross:
+            stage1 = NoWait(embeddings)
         else:
             stage1 = NoWait(scale_grad(embeddings, topo.world_size))
         result = _CrossNodes(stage1, self._cross, peers)

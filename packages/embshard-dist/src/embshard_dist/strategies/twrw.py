@@ -191,8 +191,13 @@ class TwRwSharding:
         }
         # Every rank creates the groups here, at the same point.
         node_groups(options.pg, topology)
+        # Across nodes the all-to-all puts the columns in table order as it assembles them; on
+        # one node they stay in the node's kernel order (a reorder would cost a copy there).
+        self._table_order = topology.num_nodes > 1
 
     def feature_names(self) -> list[str]:
+        if self._table_order:
+            return [f for t in self._tables for f in t.config.feature_names]
         return [f for _, f in self._core.entries]
 
     def embedding_dims(self) -> list[int]:
@@ -208,4 +213,12 @@ class TwRwSharding:
         return self._core.create_lookup()
 
     def create_output_dist(self) -> nn.Module:
-        return self._core.create_output_dist()
+        if not self._table_order:
+            return self._core.create_output_dist()
+        first = self._core.received_columns()
+        entry = {f: i for i, (_, f) in enumerate(self._core.entries)}
+        columns: list[int] = []
+        for feature in self.feature_names():
+            start = first[entry[feature]]
+            columns.extend(range(start, start + self._dims[feature]))
+        return self._core.create_output_dist(columns=columns)
