@@ -43,6 +43,7 @@ def _reduce_scatter_case(batches: list[int], with_codecs: bool, pass_splits: boo
     rs = PooledEmbeddingsReduceScatter(None, codecs=codecs)
     out = rs(x, batches if pass_splits else None).wait()
     got = out.detach().cpu()
+    assert torch.equal(x.detach().cpu(), inputs[rank])  # a kept own block is read, not written
 
     mine = slice(rows[rank], rows[rank + 1])
     expected = roundtrip(fwd, inputs[0][mine])
@@ -74,6 +75,7 @@ def _reduce_scatter_case(batches: list[int], with_codecs: bool, pass_splits: boo
         ([3, 3, 3], True),
         ([4, 1], True),  # uneven: all-to-all + sum in rank order
         ([2, 0, 3], True),  # a rank with an empty batch
+        ([0, 4], True),  # the first rank keeps an empty block of its own
     ],
 )
 def test_reduce_scatter_matches_reference(

@@ -54,20 +54,36 @@ def reduce_scatter_as_all_to_all(
     channel: Channel, input: Tensor, batches: list[int], rank: int, coder: ChunkCodec
 ) -> Callable[[], Tensor]:
     """Each rank's block to its rank in one coded all-to-all, then the received blocks decoded
-    and summed in rank order (any block sizes, any codec)."""
+    and summed in rank order (any block sizes, any codec).
+
+    The first and the last rank keep their own block out of the exchange (the others' blocks
+    are one contiguous piece of ``input``; with a codec the kept block is coded and decoded as
+    if it had travelled). On 2 ranks the sum is then made in the received block, which holds
+    nothing else: no new tensor (``a + b`` and ``b + a`` are the same float).
+    """
     world, shape = len(batches), (batches[rank], input.shape[1])
-    pending, recv = channel.all_to_all(
-        "forward", input.split(batches, dim=0), [shape[0] * shape[1]] * world, coder, input
-    )
+    chunks = list(input.split(batches, dim=0))
+    numels = [shape[0] * shape[1]] * world
+    own: Tensor | None = None
+    if world > 1 and rank in (0, world - 1):
+        kept = chunks[rank]
+        own = kept if coder.passthrough else coder.decode(coder.encode(kept), shape)
+        at = sum(batches[:rank]) + (batches[rank] if rank == 0 else 0)
+        chunks[rank] = input[at:at]  # an empty chunk at the edge of the others' block
+        numels[rank] = 0
+    pending, recv = channel.all_to_all("forward", chunks, numels, coder, input)
 
     def finish() -> Tensor:
         pending.wait()
+        pieces = recv.split([coder.wire_size(n) for n in numels])
         parts = [
-            coder.decode(p, shape)
-            for p in recv.split([coder.wire_size(shape[0] * shape[1])] * world)
+            own if own is not None and r == rank else coder.decode(piece, shape)
+            for r, piece in enumerate(pieces)
         ]
         if len(parts) == 1:
             return parts[0].clone()
+        if own is not None and world == 2:  # the received block is the other part
+            return parts[1 - rank].add_(parts[rank])
         total = torch.add(parts[0], parts[1])
         for part in parts[2:]:
             total += part
