@@ -26,13 +26,18 @@ def _bags(rank: int, batch_per_key: list[int]) -> list[list[list[int]]]:
     return out
 
 
-def _kjt(bags: list[list[list[int]]], weighted: bool, variable: bool) -> KeyedJaggedTensor:
+def _kjt(
+    bags: list[list[list[int]]],
+    weighted: bool,
+    variable: bool,
+    lengths_dtype: torch.dtype = torch.int32,
+) -> KeyedJaggedTensor:
     lengths = [len(ids) for per_key in bags for ids in per_key]
     values = [v for per_key in bags for ids in per_key for v in ids]
     return KeyedJaggedTensor(
         keys=KEYS,
         values=torch.tensor(values, dtype=torch.int64),
-        lengths=torch.tensor(lengths, dtype=torch.int32),
+        lengths=torch.tensor(lengths, dtype=lengths_dtype),
         weights=torch.tensor(values, dtype=torch.float32) / 7 if weighted else None,
         stride=None if variable else len(bags[0]),
         stride_per_key_per_rank=[[len(b)] for b in bags] if variable else None,
@@ -44,11 +49,18 @@ def _batches(rank: int, batch_sizes: list[int], variable: bool) -> list[int]:
     return [base + (k % 2 if variable else 0) for k in range(len(KEYS))]
 
 
-def _kjt_case(splits: list[int], batch_sizes: list[int], weighted: bool, variable: bool) -> bool:
+def _kjt_case(
+    splits: list[int],
+    batch_sizes: list[int],
+    weighted: bool,
+    variable: bool,
+    lengths_dtype: torch.dtype = torch.int32,
+) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     all_bags = [_bags(s, _batches(s, batch_sizes, variable)) for s in range(world)]
     a2a = KJTAllToAll(None, splits)
-    tensors = a2a(_kjt(all_bags[rank], weighted, variable).to(test_device())).wait()
+    kjt = _kjt(all_bags[rank], weighted, variable, lengths_dtype)
+    tensors = a2a(kjt.to(test_device())).wait()
     out = tensors.wait()
 
     lo = sum(splits[:rank])
@@ -56,7 +68,7 @@ def _kjt_case(splits: list[int], batch_sizes: list[int], weighted: bool, variabl
     assert out.keys() == [KEYS[k] for k in my_keys]
     exp_lengths = [len(ids) for k in my_keys for s in range(world) for ids in all_bags[s][k]]
     exp_values = [v for k in my_keys for s in range(world) for ids in all_bags[s][k] for v in ids]
-    assert out.lengths().dtype == torch.int32
+    assert out.lengths().dtype == lengths_dtype
     assert out.lengths().tolist() == exp_lengths
     assert out.values().tolist() == exp_values
     if weighted:
@@ -78,6 +90,7 @@ def _kjt_case(splits: list[int], batch_sizes: list[int], weighted: bool, variabl
     return True
 
 
+@pytest.mark.parametrize("lengths_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize(
     ("splits", "batch_sizes", "variable"),
@@ -91,10 +104,16 @@ def _kjt_case(splits: list[int], batch_sizes: list[int], weighted: bool, variabl
     ],
 )
 def test_kjt_all_to_all_matches_reference(
-    splits: list[int], batch_sizes: list[int], variable: bool, weighted: bool
+    splits: list[int],
+    batch_sizes: list[int],
+    variable: bool,
+    weighted: bool,
+    lengths_dtype: torch.dtype,
 ) -> None:
+    """int32 lengths travel apart from the int64 ids; int64 lengths with them, in one message."""
     world = len(splits)
-    assert run_on_ranks(world, _kjt_case, splits, batch_sizes, weighted, variable) == [True] * world
+    results = run_on_ranks(world, _kjt_case, splits, batch_sizes, weighted, variable, lengths_dtype)
+    assert results == [True] * world
 
 
 def _disagreement_case(kind: str) -> str:

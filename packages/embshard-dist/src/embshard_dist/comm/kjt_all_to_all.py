@@ -2,7 +2,8 @@
 
 Every rank passes the same keys, grouped by destination (``splits[r]`` keys for rank ``r``). Two
 phases, as in TorchRec: a small header per peer (sizes, dtypes, a checksum of keys and splits),
-then lengths, ids and weights, bit for bit, each key's batch the sources' in ``source_order``.
+then lengths, ids and weights, bit for bit, each key's batch the sources' in ``source_order``;
+a rank's own keys never travel (views of its input, spliced in on arrival).
 Ranks that disagree all raise the same ``ValueError`` after phase 1; waits are bounded.
 
 The header also carries each source's input status (:class:`InputStatus`): when a source
@@ -16,6 +17,7 @@ import itertools
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -103,13 +105,22 @@ def _to_key_major_parts(parts: list[list[Tensor]], order: list[int], like: Tenso
     return torch.cat(pieces) if pieces else like.new_empty(0)
 
 
-def _to_key_major(data: Tensor, sizes: list[list[int]], order: list[int]) -> Tensor:
-    """Reorder segments from [source][key] (as received) to [key][source in ``order``]."""
-    num_keys = len(sizes[0]) if sizes else 0
-    if num_keys == 0 or data.numel() == 0:
-        return data
+def _split_parts(data: Tensor, sizes: list[list[int]]) -> list[list[Tensor]]:
+    """``data`` (segments ``[source][key]``, as received) as per source, per key views."""
     chunks = data.split([n for per_source in sizes for n in per_source])
-    return torch.cat([chunks[s * num_keys + k] for k in range(num_keys) for s in order])
+    out, at = [], 0
+    for per_source in sizes:
+        out.append(list(chunks[at : at + len(per_source)]))
+        at += len(per_source)
+    return out
+
+
+class _OwnPart(NamedTuple):
+    """This rank's own keys' lengths, ids and weights (per key), kept out of the exchange."""
+
+    lengths: Sequence[Tensor]
+    values: Sequence[Tensor]
+    weights: Sequence[Tensor] | None
 
 
 class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
@@ -124,6 +135,8 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
             weights if any); ``buffers``: their receive buffers, in the same order.
         strides, counts: ``[s][k]``: batch size and id count of key ``k`` from source ``s``.
         source_strides: each source's ``stride()``.
+        own: ``(rank, part)``: that source sent nothing; its keys are ``part`` (views of the
+            input), spliced in at its place.
     """
 
     def __init__(
@@ -137,8 +150,10 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         variable_stride: bool,
         source_strides: list[int],
         combined: bool = False,
+        own: tuple[int, _OwnPart] | None = None,
     ) -> None:
         super().__init__()
+        self._own = own
         self._combined = combined
         self._pending = pending
         self._buffers = buffers
@@ -156,15 +171,29 @@ class KJTAllToAllTensorsAwaitable(Awaitable[KeyedJaggedTensor]):
         for p in self._pending:
             p.wait()
         buffers = list(self._buffers)
+        me, own = self._own if self._own is not None else (-1, None)
+        strides = [[0] * len(row) if s == me else row for s, row in enumerate(self._strides)]
+        counts = [[0] * len(row) if s == me else row for s, row in enumerate(self._counts)]
         if self._combined:
-            data = buffers.pop(0)
-            length_parts, value_parts = _split_combined(data, self._strides, self._counts)
-            lengths = _to_key_major_parts(length_parts, self._order, data)
-            values = _to_key_major_parts(value_parts, self._order, data)
+            like = buffers.pop(0)
+            length_parts, value_parts = _split_combined(like, strides, counts)
+            length_like = value_like = like
         else:
-            lengths = _to_key_major(buffers.pop(0), self._strides, self._order)
-            values = _to_key_major(buffers.pop(0), self._counts, self._order)
-        weights = _to_key_major(buffers[0], self._counts, self._order) if buffers else None
+            length_like, value_like = buffers.pop(0), buffers.pop(0)
+            length_parts = _split_parts(length_like, strides)
+            value_parts = _split_parts(value_like, counts)
+        weight_parts = _split_parts(buffers[0], counts) if buffers else None
+        if own is not None:
+            length_parts[me], value_parts[me] = list(own.lengths), list(own.values)
+            if weight_parts is not None and own.weights is not None:
+                weight_parts[me] = list(own.weights)
+        lengths = _to_key_major_parts(length_parts, self._order, length_like)
+        values = _to_key_major_parts(value_parts, self._order, value_like)
+        weights = (
+            None
+            if weight_parts is None
+            else _to_key_major_parts(weight_parts, self._order, buffers[0])
+        )
         per_key = range(len(self._keys))
         length_per_key = [sum(c[k] for c in self._counts) for k in per_key]
         if self._variable_stride:
@@ -243,10 +272,25 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
         recv_lengths = [sum(s) for s in strides]
         recv_values = [sum(c) for c in counts]
         lengths, values = kjt.lengths(), kjt.values()
+        weights = kjt.weights_or_none()
+        me = self._rank
+        length_bounds = [0, *itertools.accumulate(send_lengths)]
+        value_bounds = [0, *itertools.accumulate(send_values)]
+        # This rank's own keys never travel: views of its input, spliced in on arrival.
+        own = _OwnPart(
+            lengths[length_bounds[me] : length_bounds[me + 1]].split(strides[me]),
+            values[value_bounds[me] : value_bounds[me + 1]].split(counts[me]),
+            None
+            if weights is None
+            else weights[value_bounds[me] : value_bounds[me + 1]].split(counts[me]),
+        )
+        send_lengths[me] = send_values[me] = recv_lengths[me] = recv_values[me] = 0
         pending, buffers = [], []
 
-        def start(what: str, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> None:
-            send = send.contiguous()
+        def start(
+            what: str, pieces: list[Tensor], send_sizes: list[int], recv_sizes: list[int]
+        ) -> None:
+            send = torch.cat(pieces) if len(pieces) != 1 else pieces[0].contiguous()
             recv = send.new_empty(sum(recv_sizes))
             pending.append(
                 issue(
@@ -259,26 +303,34 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             )
             buffers.append(recv)
 
+        def others(data: Tensor, bounds: list[int]) -> list[Tensor]:
+            return [data[bounds[r] : bounds[r + 1]] for r in range(world) if r != me]
+
         if lengths.dtype == values.dtype:
             # one collective: each peer's lengths followed by its ids
-            length_bounds = [0, *itertools.accumulate(send_lengths)]
-            value_bounds = [0, *itertools.accumulate(send_values)]
             pieces = []
             for r in range(world):
-                pieces.append(lengths[length_bounds[r] : length_bounds[r + 1]])
-                pieces.append(values[value_bounds[r] : value_bounds[r + 1]])
+                if r != me:
+                    pieces.append(lengths[length_bounds[r] : length_bounds[r + 1]])
+                    pieces.append(values[value_bounds[r] : value_bounds[r + 1]])
             start(
                 "lengths_and_values",
-                torch.cat(pieces),
+                pieces or [values[:0]],
                 [n + m for n, m in zip(send_lengths, send_values, strict=True)],
                 [n + m for n, m in zip(recv_lengths, recv_values, strict=True)],
             )
         else:
-            start("lengths", lengths, send_lengths, recv_lengths)
-            start("values", values, send_values, recv_values)
-        weights = kjt.weights_or_none()
+            start(
+                "lengths",
+                others(lengths, length_bounds) or [lengths[:0]],
+                send_lengths,
+                recv_lengths,
+            )
+            start("values", others(values, value_bounds) or [values[:0]], send_values, recv_values)
         if weights is not None:
-            start("weights", weights, send_values, recv_values)
+            start(
+                "weights", others(weights, value_bounds) or [weights[:0]], send_values, recv_values
+            )
         return KJTAllToAllTensorsAwaitable(
             pending=pending,
             buffers=buffers,
@@ -289,6 +341,7 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
             variable_stride=any(row[_VBE] for row in rows),
             source_strides=[row[_STRIDE] for row in rows],
             combined=lengths.dtype == values.dtype,
+            own=(me, own),
         )
 
 
