@@ -109,6 +109,22 @@ def _joined(wire: Sequence[Tensor]) -> Tensor | None:
     return first.as_strided((total,), (1,), first.storage_offset())
 
 
+def keep_own_rows(
+    input: Tensor, chunks: list[Tensor], batches: Sequence[int], rank: int, coder: ChunkCodec
+) -> Tensor:
+    """Take this rank's own row block out of ``chunks`` (``input`` cut by ``batches``) and
+    return it, coded and decoded as if it had travelled (views without a codec).
+
+    Its chunk becomes an empty one at the edge of the others' rows, which for the first or last
+    rank are one contiguous block of ``input``, sent without a copy.
+    """
+    own = chunks[rank]
+    kept = coder.decode(coder.encode(own), (own.shape[0], *own.shape[1:]))
+    at = sum(batches[:rank]) + (batches[rank] if rank == 0 else 0)
+    chunks[rank] = input[at:at]
+    return kept
+
+
 def join_rows(chunks: Sequence[Tensor]) -> Tensor:
     """``torch.cat(chunks)`` along dim 0, without a copy when the chunks are contiguous and
     already lie one after another in one buffer (what arrives, decoded as it is)."""

@@ -308,11 +308,8 @@ class KJTAllToAllSplitsAwaitable(Awaitable[KJTAllToAllTensorsAwaitable]):
 
         if lengths.dtype == values.dtype:
             # one collective: each peer's lengths followed by its ids
-            pieces = []
-            for r in range(world):
-                if r != me:
-                    pieces.append(lengths[length_bounds[r] : length_bounds[r + 1]])
-                    pieces.append(values[value_bounds[r] : value_bounds[r + 1]])
+            pairs = zip(others(lengths, length_bounds), others(values, value_bounds), strict=True)
+            pieces = [piece for pair in pairs for piece in pair]
             start(
                 "lengths_and_values",
                 pieces or [values[:0]],

@@ -86,18 +86,8 @@ def bucketize_ids(
     # The input is feature- then sample-ordered, so a stable sort by bucket gives the layout.
     narrow = torch.uint8 if num_buckets <= 255 else torch.int32
     order = torch.sort(bucket.to(narrow), stable=True).indices
-    unbucketize = None
-    if with_permute:
-        unbucketize = torch.empty_like(order)
-        unbucketize[order] = torch.arange(order.numel(), device=device)
     new_lengths = _bucket_lengths(bucket, lengths64, num_buckets)
-    return BucketizedIds(
-        lengths=new_lengths.to(lengths.dtype),
-        values=local.index_select(0, order).to(values.dtype),
-        weights=None if weights is None else weights.index_select(0, order),
-        unbucketize_permute=unbucketize,
-        num_buckets=num_buckets,
-    )
+    return _routed(order, local, new_lengths, lengths, values, weights, with_permute, num_buckets)
 
 
 def _traced_bucketize(
@@ -137,14 +127,29 @@ def _traced_bucketize(
     bucket = (ids.unsqueeze(1) >= id_edges[:, 1:-1]).sum(1)
     local = ids - id_edges.gather(1, bucket.unsqueeze(1)).squeeze(1)
     order = torch.sort(bucket, stable=True).indices
+    counts = torch.zeros(num_buckets * num_bags, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket * num_bags + id_bag, torch.ones_like(bucket))
+    return _routed(order, local, counts, lengths, values, weights, with_permute, num_buckets)
+
+
+def _routed(
+    order: Tensor,
+    local: Tensor,
+    new_lengths: Tensor,
+    lengths: Tensor,
+    values: Tensor,
+    weights: Tensor | None,
+    with_permute: bool,
+    num_buckets: int,
+) -> BucketizedIds:
+    """The result of both paths: local ids and weights in bucket ``order``, the new lengths,
+    and the permutation back (in the input's dtypes)."""
     unbucketize = None
     if with_permute:
         unbucketize = torch.empty_like(order)
-        unbucketize[order] = torch.arange(num_ids, device=device)
-    counts = torch.zeros(num_buckets * num_bags, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, bucket * num_bags + id_bag, torch.ones_like(bucket))
+        unbucketize[order] = torch.arange(order.numel(), device=order.device)
     return BucketizedIds(
-        lengths=counts.to(lengths.dtype),
+        lengths=new_lengths.to(lengths.dtype),
         values=local.index_select(0, order).to(values.dtype),
         weights=None if weights is None else weights.index_select(0, order),
         unbucketize_permute=unbucketize,

@@ -7,7 +7,7 @@ Kernels run in one order on every rank, so their gathers cannot deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -55,6 +55,26 @@ class ColumnRowSum:
         for part in parts[1:]:
             total += part
         return total
+
+
+class RowSumsByRanks:
+    """One :class:`ColumnRowSum` per set of ranks (from ``groups``), shared by every table whose
+    rows are summed over it, so a kernel of such tables gathers once."""
+
+    def __init__(
+        self, groups: Mapping[tuple[int, ...], dist.ProcessGroup], prefix: str = ""
+    ) -> None:
+        self._groups = groups
+        self._prefix = prefix
+        self._made: dict[tuple[int, ...], ColumnRowSum] = {}
+
+    def reduction(self, ranks: tuple[int, ...], full_dim: int) -> RowReduction:
+        """The row reduction over ``ranks`` of a table ``full_dim`` wide."""
+        row_sum = self._made.get(ranks)
+        if row_sum is None:
+            label = self._prefix + "ranks_" + "_".join(str(r) for r in ranks)
+            row_sum = self._made[ranks] = ColumnRowSum(self._groups[ranks], label)
+        return RowReduction(row_sum, full_dim)
 
 
 class CwSharding:
@@ -136,19 +156,14 @@ class CwSharding:
         lookup = GroupedBagLookup(
             configs, self._options, backend=backend, kernel_key=self._kernel_key
         )
-        row_sums: dict[tuple[int, ...], ColumnRowSum] = {}
+        row_sums = RowSumsByRanks(self._groups)
         for group, tbe in lookup.torch_tbes():
-            reductions: list[RowReduction | None] = []
-            for table in group.embedding_tables:
-                full, ranks = by_name[table.name], self._ranks[table.name]
-                if not self._needs_row_sums(full):
-                    reductions.append(None)
-                    continue
-                if ranks not in row_sums:  # one per set of ranks, shared by its tables
-                    label = "ranks_" + "_".join(str(r) for r in ranks)
-                    row_sums[ranks] = ColumnRowSum(self._groups[ranks], label)
-                reductions.append(RowReduction(row_sums[ranks], full.config.embedding_dim))
-            tbe.row_reductions = reductions
+            tbe.row_reductions = [
+                row_sums.reduction(self._ranks[t.name], by_name[t.name].config.embedding_dim)
+                if self._needs_row_sums(by_name[t.name])
+                else None
+                for t in group.embedding_tables
+            ]
         return lookup
 
     def create_output_dist(self) -> nn.Module:

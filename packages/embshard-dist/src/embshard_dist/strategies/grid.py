@@ -14,13 +14,12 @@ from typing import Any
 from torch import nn
 
 from embshard_dist.strategies.base import BagTable
-from embshard_dist.strategies.cw import ROW_WISE_OPTIMIZERS, ColumnRowSum
+from embshard_dist.strategies.cw import ROW_WISE_OPTIMIZERS, RowSumsByRanks
 from embshard_dist.strategies.lookup import GroupedBagLookup
 from embshard_dist.strategies.nodes import node_groups, subgroup
 from embshard_dist.strategies.options import ShardingOptions
 from embshard_dist.strategies.twrw import NodeUnit, RowWiseInNodes, node_topology
 from embshard_kernels.grouping import ShardedTableConfig
-from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.shard_spec import ShardSpec
 from embshard_types.vocab import ComputeKernel, ShardingType
 
@@ -61,15 +60,14 @@ class GridSharding:
                 for col in sorted(blocks)
             ]
         units = [u for t in self._tables for u in self._units[t.name]]
-        needs = {t.name for t in self._tables if self._needs_row_sums(t)}
-        self._needs = needs
+        self._needs = {t.name for t in self._tables if self._needs_row_sums(t)}
         # Per (table, row offset): the ranks holding those rows, one per column block; they
         # sum each touched row's partial squares. Every rank creates every group, in table order.
         node_groups(options.pg, topology)
         self._row_ranks: dict[tuple[str, int], tuple[int, ...]] = {}
         self._row_groups: dict[tuple[int, ...], Any] = {}
         for table in self._tables:
-            if table.name not in needs:
+            if table.name not in self._needs:
                 continue
             for local in range(topology.local_world_size):
                 specs = [u.specs[local] for u in self._units[table.name]]
@@ -84,7 +82,7 @@ class GridSharding:
             topology,
             # Tables whose rows are summed over one set of ranks share a kernel (one gather of
             # row sums for all); kernels keep one order on every rank of the set.
-            kernel_key=lambda config: self._row_sum_ranks(config) if config.name in needs else None,
+            kernel_key=lambda c: self._row_sum_ranks(c) if c.name in self._needs else None,
         )
         self._by_feature = {f: t for t in self._tables for f in t.config.feature_names}
 
@@ -118,19 +116,14 @@ class GridSharding:
             # fused path of choice, as table-row-wise runs
             return self._core.create_lookup()
         lookup = self._core.create_lookup(backend="torch")
-        row_sums: dict[tuple[int, ...], ColumnRowSum] = {}  # one per set of ranks, shared
+        row_sums = RowSumsByRanks(self._row_groups, prefix="grid_")
         for group, tbe in lookup.torch_tbes():
-            reductions: list[RowReduction | None] = []
-            for table in group.embedding_tables:
-                if table.name not in self._needs:
-                    reductions.append(None)
-                    continue
-                ranks = self._row_sum_ranks(table)
-                if ranks not in row_sums:
-                    label = "grid_ranks_" + "_".join(str(r) for r in ranks)
-                    row_sums[ranks] = ColumnRowSum(self._row_groups[ranks], label)
-                reductions.append(RowReduction(row_sums[ranks], table.embedding_dim))
-            tbe.row_reductions = reductions
+            tbe.row_reductions = [
+                row_sums.reduction(self._row_sum_ranks(t), t.embedding_dim)
+                if t.name in self._needs
+                else None
+                for t in group.embedding_tables
+            ]
         return lookup
 
     def create_output_dist(self) -> nn.Module:
@@ -138,11 +131,8 @@ class GridSharding:
 
     def _columns(self) -> list[int]:
         """Received column of each output column (every feature's blocks side by side)."""
-        entry = {pair: i for i, pair in enumerate(self._core.entries)}
-        first = self._core.received_columns()
-        columns: list[int] = []
-        for feature in self.feature_names():
-            for unit in self._units[self._by_feature[feature].name]:
-                start = first[entry[(unit.node, feature)]]
-                columns.extend(range(start, start + unit.width))
-        return columns
+        return self._core.columns_of(
+            (unit.node, feature)
+            for feature in self.feature_names()
+            for unit in self._units[self._by_feature[feature].name]
+        )

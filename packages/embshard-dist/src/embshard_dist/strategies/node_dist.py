@@ -151,9 +151,9 @@ class NodeRowWiseOutputDist(nn.Module):
             self._intra = PooledEmbeddingsReduceScatter(
                 groups.intra, codecs=reduce_codecs, grad_scale=1.0 / topology.world_size
             )
-        # One rank per node: no intra stage, so the all-to-all across nodes applies the 1/N
-        # rule in its backward. With one, it also puts the columns in order as it assembles
-        # them (no second copy either way); on one node a column order is applied after.
+        # Across nodes the all-to-all puts the columns in order as it assembles them, and with
+        # one rank per node (no intra stage) it applies the 1/N rule in its backward; no copy
+        # follows it. On one node a column order is applied after the reduce-scatter.
         self._scaled_by_cross = groups.cross is not None and topology.local_world_size == 1
         self._cross: PooledEmbeddingsAllToAll | None = None
         if groups.cross is not None:

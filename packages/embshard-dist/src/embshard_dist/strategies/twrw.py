@@ -7,7 +7,7 @@ the forward matches unsharded up to float reassociation. :class:`RowWiseInNodes`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -114,6 +114,16 @@ class RowWiseInNodes:
             widths[node] += self.unit(i).width
         return widths
 
+    def columns_of(self, pairs: Iterable[tuple[int, str]]) -> list[int]:
+        """The received columns of the entries ``(node, feature)``, block after block."""
+        first = self.received_columns()
+        index = {pair: i for i, pair in enumerate(self.entries)}
+        columns: list[int] = []
+        for pair in pairs:
+            i = index[pair]
+            columns.extend(range(first[i], first[i] + self.unit(i).width))
+        return columns
+
     def received_columns(self) -> dict[int, int]:
         """Entry -> the first column of its block in the output dist's received layout."""
         out: dict[int, int] = {}
@@ -215,10 +225,6 @@ class TwRwSharding:
     def create_output_dist(self) -> nn.Module:
         if not self._table_order:
             return self._core.create_output_dist()
-        first = self._core.received_columns()
-        entry = {f: i for i, (_, f) in enumerate(self._core.entries)}
-        columns: list[int] = []
-        for feature in self.feature_names():
-            start = first[entry[feature]]
-            columns.extend(range(start, start + self._dims[feature]))
+        entry = {feature: (node, feature) for node, feature in self._core.entries}
+        columns = self._core.columns_of(entry[f] for f in self.feature_names())
         return self._core.create_output_dist(columns=columns)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from embshard_dist.comm._codec import ChunkCodec
-from embshard_dist.comm._exchange import Channel, decode_chunks, join_rows
+from embshard_dist.comm._exchange import Channel, decode_chunks, join_rows, keep_own_rows
 from embshard_dist.comm.columns import ColumnAssembly
 from embshard_kernels.workspace import BufferPool
 
@@ -97,10 +97,7 @@ def forward_keeping_own_rows(
     ``input``, sent as it is, behind an empty own chunk at that block's edge."""
     chunks = list(input.split(batches, dim=0))
     recv_shapes = [(batches[rank], d) for d in dims]
-    own = chunks[rank]
-    kept = coder.decode(coder.encode(own), (own.shape[0], own.shape[1]))
-    at = sum(batches[:rank]) + (batches[rank] if rank == 0 else 0)
-    chunks[rank] = input[at:at]
+    kept = keep_own_rows(input, chunks, batches, rank, coder)
     recv_shapes[rank] = (0, dims[rank])
     return _forward(channel, chunks, recv_shapes, coder, input, pool, (rank, kept))
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from embshard_dist.comm._codec import ChunkCodec
-from embshard_dist.comm._exchange import Channel
+from embshard_dist.comm._exchange import Channel, keep_own_rows
 from embshard_dist.comm.timeouts import issue
 
 __all__ = ["ReduceScatter", "reduce_scatter_as_all_to_all", "reduce_scatter_by_backend"]
@@ -66,10 +66,7 @@ def reduce_scatter_as_all_to_all(
     numels = [shape[0] * shape[1]] * world
     own: Tensor | None = None
     if world > 1 and rank in (0, world - 1):
-        kept = chunks[rank]
-        own = kept if coder.passthrough else coder.decode(coder.encode(kept), shape)
-        at = sum(batches[:rank]) + (batches[rank] if rank == 0 else 0)
-        chunks[rank] = input[at:at]  # an empty chunk at the edge of the others' block
+        own = keep_own_rows(input, chunks, batches, rank, coder)
         numels[rank] = 0
     pending, recv = channel.all_to_all("forward", chunks, numels, coder, input)
 
