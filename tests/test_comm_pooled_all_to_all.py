@@ -8,8 +8,11 @@ import torch.distributed as dist
 from _fp16_codecs import Fp16Codec, ScaledFp16Codec, roundtrip
 from _mp import run_on_ranks, test_device
 
+from embshard_dist.comm.columns import ColumnAssembly
+from embshard_dist.comm.placement import PlacedAssembly
 from embshard_dist.comm.pooled_all_to_all import PooledEmbeddingsAllToAll
 from embshard_dist.strategies.layout import boundaries
+from embshard_types.awaitables import NoWait
 from embshard_types.comm_codec import QuantizedCommCodecs
 
 
@@ -103,3 +106,53 @@ def _bad_input_case() -> str:
 def test_pooled_all_to_all_rejects_bad_shapes_before_communicating() -> None:
     messages = run_on_ranks(2, _bad_input_case)
     assert all("do not split evenly over 2 ranks" in m for m in messages), messages
+
+
+def _placed_case(with_codecs: bool, keep_columns: bool) -> bool:
+    """Two all-to-alls placed into one output beside a local part (as a mixed plan's collection
+    does): the same values and gradients as assembling their separate outputs, and neither
+    all-to-all allocates an output of its own."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    codecs = (
+        QuantizedCommCodecs(forward=Fp16Codec(), backward=ScaledFp16Codec())
+        if with_codecs
+        else None
+    )
+    batches, dims_a, dims_b = [3] * world, [2 + r for r in range(world)], [4] * world
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(sum(batches), d[rank], generator=g) for d in (dims_a, dims_b)]
+    local = torch.randn(batches[rank], 5, generator=g)
+    columns_a = list(reversed(range(sum(dims_a)))) if keep_columns else None
+    widths = [sum(dims_a), sum(dims_b), 5]
+    order = torch.randperm(sum(widths), generator=torch.Generator().manual_seed(7)).tolist()
+    grad = torch.randn(batches[rank], sum(widths), generator=g)
+
+    def run(placed: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [x.clone().requires_grad_() for x in (*xs, local)]
+        a2a_a = PooledEmbeddingsAllToAll(
+            None, dims_a, codecs=codecs, columns=columns_a, grad_scale=0.5
+        )
+        a2a_b = PooledEmbeddingsAllToAll(None, dims_b, codecs=codecs)
+        pending = [a2a_a(leaves[0]), a2a_b(leaves[1]), NoWait(leaves[2] * 1.0)]
+        assembly = ColumnAssembly(widths, order)
+        if placed:
+            out = PlacedAssembly(assembly)(pending)
+            # the all-to-alls wrote into the output and gave empty tokens
+            assert [p.wait().numel() for p in pending[:2]] == [0, 0]
+        else:
+            out = assembly([p.wait() for p in pending])
+        out.backward(grad)
+        return out.detach(), [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+    out, grads = run(placed=True)
+    ref, ref_grads = run(placed=False)
+    return torch.equal(out, ref) and all(
+        torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("with_codecs", [False, True], ids=["plain", "codecs"])
+def test_placed_all_to_alls_equal_the_assembled_outputs(world: int, with_codecs: bool) -> None:
+    assert run_on_ranks(world, _placed_case, with_codecs, True) == [True] * world
+    assert run_on_ranks(world, _placed_case, with_codecs, False) == [True] * world

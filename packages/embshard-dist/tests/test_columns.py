@@ -67,3 +67,27 @@ def test_assembly_refuses_parts_that_do_not_fit() -> None:
         ColumnAssembly([2, 2], [0, 1, 2])
     with pytest.raises(ValueError, match="widths"):
         ColumnAssembly([2, 2])([torch.zeros(3, 2), torch.zeros(3, 3)])
+
+
+def test_placed_assemblies_fill_one_output_and_split_its_gradient() -> None:
+    g = torch.Generator().manual_seed(2)
+    widths, columns = [2, 3], [4, 0, 3, 1, 2]
+    whole = ColumnAssembly(widths, columns)
+    parts = [torch.randn(4, w, generator=g) for w in widths]
+    # this assembly's 5 columns go to columns 6, 1, 2, 3, 7 of an 8-wide output
+    dests = [6, 1, 2, 3, 7]
+    placed = whole.place(dests, 8)
+    out = torch.full((4, 8), float("nan"))
+    placed.assemble(parts, out=out)
+    expected = whole.assemble(parts)
+    assert torch.equal(out[:, dests], expected)
+    assert out[:, [0, 4, 5]].isnan().all()
+    grad = torch.randn(4, 8, generator=g)
+    for mine, ref in zip(placed.split(grad), whole.split(grad[:, dests]), strict=True):
+        assert torch.equal(mine, ref)
+    with pytest.raises(TypeError, match="placed"):
+        placed(parts)
+    with pytest.raises(ValueError, match="distinct"):
+        whole.place([0, 0, 1, 2, 3], 8)
+    with pytest.raises(ValueError, match=r"0\.\.7"):
+        whole.place([0, 1, 2, 3, 8], 8)

@@ -10,13 +10,17 @@ wait, and autograd records them as in eager mode.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
 from embshard_dist.comm.timeouts import at_collective
 from embshard_types.awaitables import Awaitable
+
+if TYPE_CHECKING:
+    from embshard_dist.comm.placement import SharedOutput
 
 
 class SplitCollective(Protocol):
@@ -75,6 +79,15 @@ class CollectiveAwaitable(Awaitable[Tensor]):
         token = _start(op, input)
         self._token: Tensor | None = token
         self._output: Tensor | None = None
+
+    def place(self, shared: SharedOutput, destinations: Sequence[int]) -> bool:
+        """Have the collective write into ``shared`` (see ``comm.placement``), where its op can
+        and nothing transforms the output on ``wait()``."""
+        place = getattr(self._op, "place", None)
+        if place is None or self._callbacks or self._token is None:
+            return False
+        place(shared, destinations)
+        return True
 
     def _wait_impl(self) -> Tensor:
         if self._output is None:

@@ -7,7 +7,8 @@ values are moved, never combined; a column list that is not a permutation is ref
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -41,18 +42,39 @@ class ColumnAssembly:
             part_of.extend([p] * w)
             offset_in.extend(range(w))
         # runs: (part, first column in the part, first output column, width)
-        self.runs: list[tuple[int, int, int, int]] = []
-        for j, c in enumerate(cols):
-            p, o = part_of[c], offset_in[c]
-            if self.runs and self.runs[-1][0] == p and self.runs[-1][1] + self.runs[-1][3] == o:
-                last = self.runs[-1]
-                self.runs[-1] = (p, last[1], last[2], last[3] + 1)
-            else:
-                self.runs.append((p, o, j, 1))
+        self.runs = _runs((j, part_of[c], offset_in[c]) for j, c in enumerate(cols))
         self.width = total
+        self.placed = False
+
+    def place(self, destinations: Sequence[int], width: int) -> ColumnAssembly:
+        """This assembly writing its output column ``j`` to column ``destinations[j]`` of a
+        ``width``-wide output whose other columns other parts fill (:meth:`assemble` with
+        ``out``; :meth:`split` reads the same columns of the whole output's gradient).
+
+        Raises:
+            ValueError: ``destinations`` does not give each output column its own column of
+                ``range(width)``.
+        """
+        dests = [int(d) for d in destinations]
+        if len(dests) != self.width or len(set(dests)) != len(dests):
+            raise ValueError(
+                f"ColumnAssembly.place: {len(dests)} destinations for {self.width} columns "
+                "must be distinct"
+            )
+        if dests and (min(dests) < 0 or max(dests) >= width):
+            raise ValueError(f"ColumnAssembly.place: destinations must lie in 0..{width - 1}")
+        placed = copy.copy(self)
+        placed.runs = _runs(
+            sorted((dests[dst + i], p, src + i) for p, src, dst, w in self.runs for i in range(w))
+        )
+        placed.width = int(width)
+        placed.placed = True
+        return placed
 
     def __call__(self, parts: Sequence[Tensor]) -> Tensor:
         """The assembled ``[batch, sum(widths)]``, differentiable in every part."""
+        if self.placed:
+            raise TypeError("ColumnAssembly: a placed assembly fills part of an output: use out=")
         shapes = [tuple(p.shape) for p in parts]
         if len(parts) != len(self.widths) or any(
             len(s) != 2 or s[1] != w or s[0] != shapes[0][0]
@@ -66,10 +88,14 @@ class ColumnAssembly:
         out: Tensor = _Assemble.apply(self, *parts)
         return out
 
-    def assemble(self, parts: Sequence[Tensor]) -> Tensor:
-        """The parts side by side in order, no autograd (shapes unchecked)."""
-        first = parts[0]
-        out = first.new_empty(first.shape[0], self.width)
+    def assemble(self, parts: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+        """The parts side by side in order, no autograd (shapes unchecked), in a new tensor or
+        in ``out`` (``[batch, width]``; required for a placed assembly)."""
+        if out is None:
+            if self.placed:
+                raise TypeError("ColumnAssembly: a placed assembly writes into a given out")
+            first = parts[0]
+            out = first.new_empty(first.shape[0], self.width)
         for p, src, dst, width in self.runs:
             out[:, dst : dst + width] = parts[p][:, src : src + width]
         return out
@@ -109,6 +135,20 @@ class ColumnAssembly:
             else:
                 torch.mul(values[:, dst : dst + width], scale, out=parts[p][:, src : src + width])
         return parts
+
+
+def _runs(columns: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """``(output column, part, column in the part)`` in output order, merged into runs
+    ``(part, first column in the part, first output column, width)``."""
+    runs: list[tuple[int, int, int, int]] = []
+    for j, p, o in columns:
+        if runs:
+            lp, lo, lj, lw = runs[-1]
+            if lp == p and lo + lw == o and lj + lw == j:
+                runs[-1] = (p, lo, lj, lw + 1)
+                continue
+        runs.append((p, o, j, 1))
+    return runs
 
 
 class _Assemble(torch.autograd.Function):

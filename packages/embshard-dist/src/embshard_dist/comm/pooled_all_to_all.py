@@ -21,6 +21,7 @@ from embshard_dist.comm._codec import ChunkCodec
 from embshard_dist.comm._exchange import Channel
 from embshard_dist.comm.algorithms.pooled_all_to_all import PooledAllToAll
 from embshard_dist.comm.columns import ColumnAssembly
+from embshard_dist.comm.placement import SharedOutput
 from embshard_dist.comm.timeouts import Timeout
 from embshard_kernels.workspace import BufferPool
 from embshard_types.awaitables import Awaitable
@@ -60,6 +61,14 @@ class _PooledAllToAllOp:
         self._lent: Tensor | None = None
         self._received: Callable[[], list[Tensor]] | None = None
         self._gradient: Callable[[], Tensor] | None = None
+        self._shared: SharedOutput | None = None
+
+    def place(self, shared: SharedOutput, destinations: Sequence[int]) -> None:
+        """Write the output into ``shared``'s columns ``destinations`` (before the forward's
+        finish); the finish then returns an empty token and the backward reads the columns'
+        gradient from ``shared``."""
+        self._assembly = self._assembly.place(destinations, shared.width)
+        self._shared = shared
 
     def start_forward(self, input: Tensor) -> None:
         coder = ChunkCodec(self._codecs.forward if self._codecs else None, input.dtype)
@@ -70,12 +79,21 @@ class _PooledAllToAllOp:
     def finish_forward(self) -> Tensor:
         assert self._received is not None
         received, self._received = self._received, None
-        out = self._assembly.assemble(received())
+        parts = received()
+        if self._shared is None:
+            out = self._assembly.assemble(parts)
+        else:
+            batch = self._batches[self._rank]
+            self._assembly.assemble(parts, out=self._shared.values(parts[0], batch))
+            out = parts[0].new_empty(0)
         self._return_lent()
         return out
 
     def start_backward(self, grad_output: Tensor) -> None:
-        self._lent = self._pool.lend(grad_output.numel(), grad_output.dtype, grad_output.device)
+        if self._shared is not None:
+            grad_output = self._shared.grad
+        numel = grad_output.shape[0] * sum(self._assembly.widths)
+        self._lent = self._pool.lend(numel, grad_output.dtype, grad_output.device)
         coder = ChunkCodec(self._codecs.backward if self._codecs else None, grad_output.dtype)
         self._gradient = self._algorithm.backward(
             self._channel,

@@ -1,7 +1,7 @@
 """The per-step context of a sharded embedding-bag collection and the awaitables of its flow.
 
 Features are waited for in strategy order (the order every rank started them); the outputs are
-assembled in the caller's key order.
+assembled in the caller's key order, each all-to-all writing straight into its columns.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from embshard_dist.comm.columns import ColumnAssembly
+from embshard_dist.comm.placement import PlacedAssembly
 from embshard_dist.strategies.base import ShardingStepContext
 from embshard_types.awaitables import Awaitable, LazyAwaitable, LazyGetItemMixin
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
@@ -59,7 +59,7 @@ class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTen
         pending: Sequence[Awaitable[Tensor]],
         keys: list[str],
         dims: list[int],
-        assembly: ColumnAssembly,
+        assembly: PlacedAssembly,
     ) -> None:
         super().__init__()
         self._pending = list(pending)
@@ -68,5 +68,9 @@ class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTen
         self._assembly = assembly
 
     def _wait_impl(self) -> KeyedTensor:
-        values = self._assembly([a.wait() for a in self._pending])
+        if len(self._pending) > 1 and not torch.compiler.is_compiling():
+            # the collectives write into their columns of the output (one copy fewer)
+            values = self._assembly(self._pending)
+        else:
+            values = self._assembly.assembly([a.wait() for a in self._pending])
         return KeyedTensor(self._keys, self._dims, values)

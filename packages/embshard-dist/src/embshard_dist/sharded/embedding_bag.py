@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from embshard_dist.comm.columns import ColumnAssembly
+from embshard_dist.comm.placement import PlacedAssembly
 from embshard_dist.sharded.common import (
     TableStates,
     build_strategies,
@@ -250,7 +251,7 @@ class ShardedEmbeddingBagCollection(
 
 def _column_index(
     shardings: list[EmbeddingBagSharding], keys: list[str], dims: Mapping[str, int]
-) -> ColumnAssembly:
+) -> PlacedAssembly:
     start: dict[str, int] = {}
     at = 0
     for sharding in shardings:
@@ -258,7 +259,9 @@ def _column_index(
             start[feature] = at
             at += dim
     widths = [sum(sharding.embedding_dims()) for sharding in shardings]
-    return ColumnAssembly(widths, [start[f] + j for f in keys for j in range(dims[f])])
+    return PlacedAssembly(
+        ColumnAssembly(widths, [start[f] + j for f in keys for j in range(dims[f])])
+    )
 
 
 def _input_gate(

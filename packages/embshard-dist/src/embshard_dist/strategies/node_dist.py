@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from embshard_dist.comm.columns import ColumnOrder
 from embshard_dist.comm.kjt_all_to_all import KJTAllToAll
+from embshard_dist.comm.placement import Placeable, SharedOutput
 from embshard_dist.comm.pooled_all_to_all import PooledEmbeddingsAllToAll
 from embshard_dist.comm.reduce_scatter import PooledEmbeddingsReduceScatter
 from embshard_dist.strategies.base import (
@@ -219,9 +220,22 @@ class _CrossNodes(Awaitable[Tensor]):
         self._stage1 = stage1
         self._cross = cross
         self._peers = peers
+        self._placement: tuple[SharedOutput, list[int]] | None = None
+
+    def place(self, shared: SharedOutput, destinations: Sequence[int]) -> bool:
+        """Have the cross-node all-to-all write into ``shared`` (see ``comm.placement``), where
+        there is one and nothing transforms its output."""
+        if self._cross is None or self._callbacks:
+            return False
+        self._placement = (shared, list(destinations))
+        return True
 
     def _wait_impl(self) -> Tensor:
         summed = self._stage1.wait()
         if self._cross is None:
             return summed
-        return self._cross(summed, self._peers).wait()
+        pending = self._cross(summed, self._peers)
+        if self._placement is not None:  # a fresh all-to-all always takes it
+            placed = isinstance(pending, Placeable) and pending.place(*self._placement)
+            assert placed, "node dist: the cross-node all-to-all could not be placed"
+        return pending.wait()
