@@ -159,3 +159,21 @@ def test_each_key_is_held_to_its_own_table_even_when_a_key_is_empty() -> None:
         problem = checker.check(batch(values, lengths))
         assert problem is not None and problem.code is Problem.ID_OUT_OF_RANGE
         assert (problem.feature, problem.position, problem.value) == (feature, position, value)
+
+
+@pytest.mark.parametrize("per_key", [3, 7_000])  # below and above the per-key-max threshold
+def test_large_and_small_batches_hold_each_key_to_its_table(per_key: int) -> None:
+    checker = KJTChecker(["a", "b", "c"], [100, 5, 50], weighted=False)
+    g = torch.Generator().manual_seed(0)
+    good = [torch.randint(0, rows, (per_key,), generator=g) for rows in (100, 5, 50)]
+    lengths = torch.tensor([per_key, 0, per_key, 0, per_key, 0])
+
+    def batch(values: list[torch.Tensor]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(["a", "b", "c"], torch.cat(values), lengths=lengths)
+
+    assert checker.check(batch(good)) is None
+    bad_b = good[1].clone()
+    bad_b[-1] = 5  # fits 'a' and 'c', not 'b'
+    problem = checker.check(batch([good[0], bad_b, good[2]]))
+    assert problem is not None and problem.code is Problem.ID_OUT_OF_RANGE
+    assert (problem.feature, problem.position, problem.value) == (1, 2 * per_key - 1, 5)

@@ -141,11 +141,20 @@ class KJTChecker:
         return InputProblem(Problem.ID_OUT_OF_RANGE, f, sample, p, int(values[p]), self._rows[f])
 
 
+_COMPARE_EACH_BELOW = 16_384
+"""Batches with fewer ids compare every id with its key's row count (one expand of the limits);
+larger ones take one max per key, which costs a call per key but reads each id once."""
+
+
 def _some_key_over(kjt: KeyedJaggedTensor, plan: _KeyPlan, values: Tensor) -> bool:
-    """Whether some key's largest id reaches its table's row count: one max per key's slice of
-    ``values`` (views, one fused call), then one comparison. Cheaper than comparing every id
-    with its own limit, which only the search for the offending id needs."""
+    """Whether some key's largest id reaches its table's row count: for a small batch, every id
+    against its key's limit; else one max per key's slice of ``values`` (views, one fused call),
+    then one comparison."""
     sizes = kjt.length_per_key()
+    if values.numel() < _COMPARE_EACH_BELOW:
+        counts = torch.tensor(sizes, device=values.device)
+        limits = plan.limits.repeat_interleave(counts, output_size=values.numel())
+        return bool((values >= limits).any())
     filled = [i for i, n in enumerate(sizes) if n]
     slices = [s for s in values.split(sizes) if s.numel()]
     maxima = torch.stack(torch._foreach_max(slices))
