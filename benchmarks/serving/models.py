@@ -11,7 +11,10 @@ A variant name ending in ``+compiled`` (e.g. ``embshard-int8+compiled``) is that
 ``torch.compile`` with Inductor's freezing (weights as constants, as for serving): the whole
 forward, lookups included, is one graph for embshard. TorchRec's quantized model does not
 compile (dynamo stops in FBGEMM's inference module, at the TorchScript cache-location queue);
-``build`` returns it anyway and the benchmark reports its error.
+``build`` returns it anyway and the benchmark reports its error. A name ending in ``+script``
+(e.g. ``torchrec-int8+script``) is TorchRec's own serving form: ``torchrec.fx.symbolic_trace``
+then ``torch.jit.script``; embshard's models are not TorchScript modules (they export and
+compile instead), so ``build`` refuses ``embshard-*+script``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ VARIANTS = (
 )
 COMPILED = "+compiled"
 """Suffix of a variant served under ``torch.compile`` (see the module docstring)."""
+SCRIPTED = "+script"
+"""Suffix of a TorchRec variant served as TorchScript (see the module docstring)."""
+SERVING_FORMS = (COMPILED, SCRIPTED)
 
 
 @dataclass(frozen=True)
@@ -156,9 +162,17 @@ def torchrec_model(dtype: str) -> nn.Module:
     return model
 
 
+def eager_of(name: str) -> str:
+    """The eager variant a ``+compiled`` or ``+script`` variant serves (``name`` itself if
+    it is eager)."""
+    for suffix in SERVING_FORMS:
+        name = name.removesuffix(suffix)
+    return name
+
+
 def is_variant(name: str) -> bool:
-    """Whether ``name`` is a variant: one of ``VARIANTS``, with or without ``+compiled``."""
-    return name.removesuffix(COMPILED) in VARIANTS
+    """Whether ``name`` is a variant: one of ``VARIANTS``, eager, ``+compiled`` or ``+script``."""
+    return eager_of(name) in VARIANTS
 
 
 def build(variant: str) -> tuple[nn.Module, Callable[[ServingBatch], Any]]:
@@ -167,6 +181,17 @@ def build(variant: str) -> tuple[nn.Module, Callable[[ServingBatch], Any]]:
         model, inputs = build(variant.removesuffix(COMPILED))
         compiled = torch.compile(model, options={"freezing": True})
         return cast(nn.Module, compiled), inputs
+    if variant.endswith(SCRIPTED):
+        if not variant.startswith("torchrec"):
+            raise ValueError(
+                f"{variant}: embshard's models are served compiled or exported, not as "
+                "TorchScript; use +compiled"
+            )
+        import torchrec.fx
+
+        model, inputs = build(variant.removesuffix(SCRIPTED))
+        scripted = torch.jit.script(torchrec.fx.symbolic_trace(model))
+        return cast(nn.Module, scripted), inputs
     library, dtype = variant.split("-")
     if library == "embshard":
         from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor

@@ -10,9 +10,11 @@ variants' forwards run interleaved (one forward of each in turn, starting with a
 each round) under ``torch.inference_mode``, for about ``--seconds`` per batch size, after a
 warm-up; p50 / p99 per forward and throughput = batch / mean. Outputs are compared first:
 embshard's and TorchRec's fp32 models must agree exactly, and their INT8 and INT4 models too; a
-compiled variant (``+compiled``, see ``models``) agrees with its eager model within
-``COMPILED_TOLERANCE`` (Inductor fuses and reorders float operations). A variant that cannot
-serve (TorchRec's quantized model under ``torch.compile``) is reported with its error.
+compiled or scripted variant (``+compiled``, ``+script``, see ``models``) agrees with its
+eager model within ``COMPILED_TOLERANCE`` (Inductor fuses and reorders float operations). A
+variant that cannot serve (TorchRec's quantized model under ``torch.compile``) is reported with
+its error. Each embshard row gives its ratio to TorchRec's eager model of the same data type and,
+where measured, to TorchRec's TorchScript one (its own serving form).
 Memory: each variant in a fresh process, its peak resident memory (``VmHWM``) growth from
 after the imports to after building the model and serving one batch of 64; embshard's quantized
 variants are built as a server would, from a quantized export (``embshard checkpoint export
@@ -46,6 +48,9 @@ DEFAULT_VARIANTS = [
     "embshard-int8+compiled",
     "embshard-int4+compiled",
     "torchrec-int8+compiled",
+    "torchrec-fp32+script",
+    "torchrec-int8+script",
+    "torchrec-int4+script",
 ]
 
 
@@ -61,7 +66,7 @@ def _check_outputs(built: dict[str, Any]) -> dict[str, float]:
         if a in out and b in out:
             pairs[f"{a} vs {b}"] = float((out[a] - out[b]).abs().max())
     for v in out:
-        eager = v.removesuffix(models.COMPILED)
+        eager = models.eager_of(v)
         if v != eager and eager in out:
             pairs[f"{v} vs {eager}"] = float((out[v] - out[eager]).abs().max())
     return pairs
@@ -164,7 +169,7 @@ def _exports(root: Path, dtypes: list[str]) -> None:
 
 def memory(variants: list[str]) -> dict[str, Any]:
     """Peak memory of each eager variant (a compiled one holds the same tables)."""
-    variants = [v for v in variants if not v.endswith(models.COMPILED)]
+    variants = [v for v in variants if models.eager_of(v) == v]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=RESULTS) as tmp:
         dtypes = sorted({v.split("-")[1] for v in variants if v.startswith("embshard")} - {"fp32"})
@@ -191,15 +196,23 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"  {v}: could not serve: {why}")
     for size, rows in result["latency"]["by_batch"].items():
         lines.append(f"\nbatch {size}:")
-        lines.append("| variant | p50 ms | p99 ms | samples/s | vs TorchRec same dtype (p50) |")
-        lines.append("| --- | --- | --- | --- | --- |")
+        lines.append(
+            "| variant | p50 ms | p99 ms | samples/s | vs TorchRec same dtype (p50) "
+            "| vs TorchRec scripted (p50) |"
+        )
+        lines.append("| --- | --- | --- | --- | --- | --- |")
         for v, r in rows.items():
-            peer = rows.get(v.replace("embshard", "torchrec").removesuffix(models.COMPILED))
-            ratio = (
-                f"{r['p50_ms'] / peer['p50_ms']:.2f}" if v.startswith("embshard") and peer else ""
-            )
+            peer = models.eager_of(v).replace("embshard", "torchrec")
+            ratios = [
+                f"{r['p50_ms'] / rows[p]['p50_ms']:.2f}"
+                if v.startswith("embshard") and p in rows
+                else ""
+                for p in (peer, peer + models.SCRIPTED)
+            ]
             lines.append(
-                f"| {v} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['throughput']:.0f} | {ratio} |"
+                f"| {v} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['throughput']:.0f} | "
+                + " | ".join(ratios)
+                + " |"
             )
     if "memory" in result:
         lines.append("\npeak resident memory growth (MB), build + one batch of 64:")
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(
             f"unknown variants {unknown}; choose from {list(models.VARIANTS)}, each optionally "
-            f"with {models.COMPILED!r}"
+            f"with one of {list(models.SERVING_FORMS)}"
         )
     torch.set_num_threads(args.threads)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -252,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = {
         k: v
         for k, v in result["latency"]["agreement"].items()
-        if v > (COMPILED_TOLERANCE if models.COMPILED in k else 0.0)
+        if v > (COMPILED_TOLERANCE if any(f in k for f in models.SERVING_FORMS) else 0.0)
     }
     if bad:
         print(f"outputs differ: {bad}", file=sys.stderr)
