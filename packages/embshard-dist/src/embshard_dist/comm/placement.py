@@ -37,13 +37,14 @@ class SharedOutput:
         self._grad: Tensor | None = None
 
     def values(self, like: Tensor, batch: int) -> Tensor:
-        """The output, made on first use with ``like``'s dtype and device."""
+        """The output, made on first use with ``like``'s dtype and device (parts of another
+        dtype are cast as they are copied in, as ``ColumnAssembly`` does)."""
         if self._values is None:
             self._values = like.new_empty(batch, self.width)
-        elif self._values.shape[0] != batch or self._values.dtype != like.dtype:
+        elif self._values.shape[0] != batch:
             raise ValueError(
-                f"SharedOutput: a block of {batch} rows of {like.dtype} does not fit the "
-                f"output {tuple(self._values.shape)} of {self._values.dtype}"
+                f"SharedOutput: a block of {batch} rows does not fit the output "
+                f"{tuple(self._values.shape)}"
             )
         return self._values
 
