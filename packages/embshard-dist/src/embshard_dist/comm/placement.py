@@ -91,11 +91,15 @@ class PlacedAssembly:
         self._rest: dict[tuple[bool, ...], ColumnAssembly | None] = {}
 
     def __call__(self, pending: Sequence[Awaitable[Tensor]]) -> Tensor:
-        """The assembled output, differentiable in every part; waits in ``pending``'s order."""
+        """The assembled output, differentiable in every part; waits in ``pending``'s order.
+
+        One output (nothing to interleave) and traced calls are assembled as they are."""
         if len(pending) != len(self._destinations):
             raise ValueError(
                 f"PlacedAssembly: {len(pending)} outputs for {len(self._destinations)} parts"
             )
+        if len(pending) == 1 or torch.compiler.is_compiling():
+            return self.assembly([a.wait() for a in pending])
         shared = SharedOutput(self.assembly.width)
         placed = tuple(
             isinstance(a, Placeable) and a.place(shared, self._destinations[i])

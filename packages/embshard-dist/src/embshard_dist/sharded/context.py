@@ -68,9 +68,5 @@ class KeyedTensorAwaitable(LazyGetItemMixin[str, Tensor], LazyAwaitable[KeyedTen
         self._assembly = assembly
 
     def _wait_impl(self) -> KeyedTensor:
-        if len(self._pending) > 1 and not torch.compiler.is_compiling():
-            # the collectives write into their columns of the output (one copy fewer)
-            values = self._assembly(self._pending)
-        else:
-            values = self._assembly.assembly([a.wait() for a in self._pending])
+        values = self._assembly(self._pending)
         return KeyedTensor(self._keys, self._dims, values)
