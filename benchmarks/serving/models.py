@@ -14,14 +14,20 @@ compile (dynamo stops in FBGEMM's inference module, at the TorchScript cache-loc
 ``build`` returns it anyway and the benchmark reports its error. A name ending in ``+script``
 (e.g. ``torchrec-int8+script``) is TorchRec's own serving form: ``torchrec.fx.symbolic_trace``
 then ``torch.jit.script``; embshard's models are not TorchScript modules (they export and
-compile instead), so ``build`` refuses ``embshard-*+script``.
+compile instead), so ``build`` refuses ``embshard-*+script``. A name ending in ``+aoti`` (e.g.
+``embshard-int8+aoti``) is embshard's ahead-of-time serving form: the model packaged by
+``embshard_kernels.serving.package_for_serving`` (torch.export + AOTInductor, one ``.pt2``
+file, any batch size) and called through ``load_for_serving``; TorchRec's quantized model does
+not export, so ``build`` refuses ``torchrec-*+aoti``.
 """
 
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -44,7 +50,9 @@ COMPILED = "+compiled"
 """Suffix of a variant served under ``torch.compile`` (see the module docstring)."""
 SCRIPTED = "+script"
 """Suffix of a TorchRec variant served as TorchScript (see the module docstring)."""
-SERVING_FORMS = (COMPILED, SCRIPTED)
+AOTI = "+aoti"
+"""Suffix of an embshard variant served as an AOTInductor package (see the module docstring)."""
+SERVING_FORMS = (COMPILED, SCRIPTED, AOTI)
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,17 @@ def build(variant: str) -> tuple[nn.Module, Callable[[ServingBatch], Any]]:
         model, inputs = build(variant.removesuffix(COMPILED))
         compiled = torch.compile(model, options={"freezing": True})
         return cast(nn.Module, compiled), inputs
+    if variant.endswith(AOTI):
+        if not variant.startswith("embshard"):
+            raise ValueError(f"{variant}: only embshard's models are packaged with AOTInductor")
+        from embshard_kernels.serving import load_for_serving, package_for_serving
+
+        model, inputs = build(variant.removesuffix(AOTI))
+        with tempfile.TemporaryDirectory(prefix="embshard-serving-") as tmp:
+            package = Path(tmp) / "model.pt2"
+            package_for_serving(model, inputs(batches(64, 1, seed=97)[0]), package)
+            served = load_for_serving(package)  # the loaded package no longer reads the file
+        return cast(nn.Module, served), inputs
     if variant.endswith(SCRIPTED):
         if not variant.startswith("torchrec"):
             raise ValueError(

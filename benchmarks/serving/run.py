@@ -10,8 +10,8 @@ variants' forwards run interleaved (one forward of each in turn, starting with a
 each round) under ``torch.inference_mode``, for about ``--seconds`` per batch size, after a
 warm-up; p50 / p99 per forward and throughput = batch / mean. Outputs are compared first:
 embshard's and TorchRec's fp32 models must agree exactly, and their INT8 and INT4 models too; a
-compiled or scripted variant (``+compiled``, ``+script``, see ``models``) agrees with its
-eager model within ``COMPILED_TOLERANCE`` (Inductor fuses and reorders float operations). A
+compiled, scripted or packaged variant (``+compiled``, ``+script``, ``+aoti``, see ``models``)
+agrees with its eager model within ``COMPILED_TOLERANCE`` (Inductor fuses and reorders float operations). A
 variant that cannot serve (TorchRec's quantized model under ``torch.compile``) is reported with
 its error. Each embshard row gives its ratio to TorchRec's eager model of the same data type and,
 where measured, to TorchRec's TorchScript one (its own serving form).
@@ -47,6 +47,9 @@ DEFAULT_VARIANTS = [
     "embshard-fp32+compiled",
     "embshard-int8+compiled",
     "embshard-int4+compiled",
+    "embshard-fp32+aoti",
+    "embshard-int8+aoti",
+    "embshard-int4+aoti",
     "torchrec-int8+compiled",
     "torchrec-fp32+script",
     "torchrec-int8+script",

@@ -1,0 +1,188 @@
+"""Serve a model ahead of time: export it, compile it into one package file, load it back.
+
+:func:`package_for_serving` exports an eval-mode model with ``torch.export`` (the first dimension
+of every input tensor dynamic, so one package serves any batch size), compiles it with
+AOTInductor (Inductor's freezing: parameters and buffers become constants of the compiled code)
+into a ``.pt2`` package, and checks the loaded package against the eager model on the example.
+:func:`load_for_serving` gives a callable taking the model's inputs and returning its outputs
+(``KeyedJaggedTensor`` and ``KeyedTensor`` included) in a process that imports only torch and
+embshard-kernels: no dynamo, no guards and no Python model code run per call. An id outside its
+table fails inside the package (FBGEMM's FATAL bounds check); the loaded model then names the
+feature, sample and id in a ``ValueError`` (the package records each feature's table rows), at
+no cost to calls that succeed. Compiling needs Inductor's C++ compiler; loading does not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch.export import Dim, ShapesCollection
+
+from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
+from embshard_kernels.quantize import QuantEmbeddingBagCollection, QuantEmbeddingCollection
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+
+__all__ = ["ServedModel", "load_for_serving", "package_for_serving"]
+
+_FEATURE_ROWS = "embshard.feature_rows"
+"""Package metadata key: JSON ``{feature: table rows}`` of the model's collections."""
+
+ATOL = 1e-5
+RTOL = 1e-5
+"""How far the package's outputs on the example may be from the eager model's (Inductor fuses
+and reorders float operations)."""
+
+
+def package_for_serving(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    path: str | Path,
+    *,
+    dynamic_batch: bool = True,
+) -> Path:
+    """Export ``model`` and compile it ahead of time into the package ``path`` (``.pt2``).
+
+    Args:
+        model: in eval mode (``model.eval()``); any module ``torch.export`` can trace, e.g. a
+            DLRM over an unsharded or quantized collection.
+        example_inputs: positional inputs of one batch; with ``dynamic_batch`` every input tensor
+            needs at least 2 rows (a size of 0 or 1 would be fixed into the program).
+        dynamic_batch: serve any first dimension (batch size, number of ids); ``False`` fixes
+            every shape to the example's.
+
+    Returns:
+        ``path``, after its loaded package gave the eager model's outputs on the example.
+
+    Raises:
+        ValueError: the model is in training mode or an example tensor is too small to be
+            dynamic.
+        RuntimeError: the package's outputs differ from the eager model's (beyond ``ATOL`` /
+            ``RTOL``).
+    """
+    if model.training:
+        raise ValueError(
+            "package_for_serving: the model is in training mode; call model.eval() first "
+            "(a served program runs no backward and no dropout)"
+        )
+    path = Path(path)
+    shapes = _dynamic_rows(model, example_inputs) if dynamic_batch else None
+    with torch.no_grad():
+        expected = model(*example_inputs)
+        program = torch.export.export(model, example_inputs, dynamic_shapes=shapes, strict=False)
+    metadata = {_FEATURE_ROWS: json.dumps(_feature_rows(model))}
+    torch._inductor.aoti_compile_and_package(
+        program,
+        package_path=str(path),
+        inductor_configs={"freezing": True, "aot_inductor.metadata": metadata},
+    )
+    got = load_for_serving(path)(*example_inputs)
+    _check_same(got, expected, path)
+    return path
+
+
+class ServedModel:
+    """A packaged model, called with the model's inputs; see the module docstring."""
+
+    def __init__(self, runner: Callable[..., Any], feature_rows: Mapping[str, int]) -> None:
+        self._runner = runner
+        self.feature_rows = dict(feature_rows)
+        """Each feature's table rows, as the packaged model's collections had them."""
+
+    def __call__(self, *inputs: Any) -> Any:
+        try:
+            return self._runner(*inputs)
+        except RuntimeError as e:
+            problem = _bad_id(inputs, self.feature_rows)
+            if problem is None:
+                raise
+            raise ValueError(f"served model: {problem}; hash or clamp ids before serving") from e
+
+
+def load_for_serving(path: str | Path) -> ServedModel:
+    """The compiled model in the package ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_for_serving: no package at {path}")
+    runner = torch._inductor.aoti_load_package(str(path))
+    rows = json.loads(runner.get_metadata().get(_FEATURE_ROWS, "{}"))
+    return ServedModel(runner, {str(k): int(v) for k, v in rows.items()})
+
+
+def _dynamic_rows(model: nn.Module, example_inputs: tuple[Any, ...]) -> Any:
+    """Dynamic shapes marking the first dimension of every tensor leaf of the inputs."""
+    shapes = ShapesCollection()
+    for i, leaf in enumerate(pytree.tree_leaves(example_inputs)):
+        if not isinstance(leaf, Tensor) or leaf.dim() == 0:
+            continue
+        if leaf.shape[0] < 2:
+            raise ValueError(
+                f"package_for_serving: input tensor #{i} of the example has {leaf.shape[0]} "
+                "rows; give an example batch whose every tensor has at least 2 rows (or "
+                "dynamic_batch=False to serve only the example's shapes)"
+            )
+        shapes[leaf] = {0: Dim.AUTO}
+    return shapes.dynamic_shapes(model, example_inputs)
+
+
+def _check_same(got: Any, expected: Any, path: Path) -> None:
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(expected)
+    if got_spec != want_spec:
+        raise RuntimeError(
+            f"package_for_serving: the package {path} returns {got_spec}, the model {want_spec}"
+        )
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        if isinstance(w, Tensor) and not torch.allclose(g, w, atol=ATOL, rtol=RTOL):
+            worst = float((g - w).abs().max())
+            raise RuntimeError(
+                f"package_for_serving: output #{i} of the package {path} differs from the eager "
+                f"model's by up to {worst:g} on the example (allowed {ATOL:g} + {RTOL:g} x |value|)"
+            )
+
+
+def _feature_rows(model: nn.Module) -> dict[str, int]:
+    """Each feature of the model's collections and its table's rows (the smallest, should two
+    collections read one feature)."""
+    rows: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, EmbeddingBagCollection | QuantEmbeddingBagCollection):
+            configs: list[Any] = list(module.embedding_bag_configs())
+        elif isinstance(module, EmbeddingCollection | QuantEmbeddingCollection):
+            configs = list(module.embedding_configs())
+        else:
+            continue
+        for config in configs:
+            for feature in config.feature_names:
+                rows[feature] = min(rows.get(feature, config.num_embeddings), config.num_embeddings)
+    return rows
+
+
+def _bad_id(inputs: tuple[Any, ...], feature_rows: Mapping[str, int]) -> str | None:
+    """The first id of the inputs' KJTs outside its feature's table rows, described."""
+    for kjt in pytree.tree_leaves(inputs, is_leaf=lambda x: isinstance(x, KeyedJaggedTensor)):
+        if not isinstance(kjt, KeyedJaggedTensor):
+            continue
+        for key, jagged in kjt.to_dict().items():
+            rows = feature_rows.get(key)
+            ids = jagged.values()
+            if rows is None or ids.numel() == 0:
+                continue
+            bad = torch.nonzero((ids < 0) | (ids >= rows))
+            if bad.numel():
+                i = int(bad[0])
+                sample = int(torch.searchsorted(jagged.offsets()[1:], torch.tensor(i), right=True))
+                return (
+                    f"feature {key!r}, sample {sample}: id {int(ids[i])} is outside its table's "
+                    f"rows [0, {rows})"
+                )
+    return None

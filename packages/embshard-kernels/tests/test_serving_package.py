@@ -1,0 +1,160 @@
+"""An AOTInductor serving package (``embshard_kernels.serving``) of a quantized ranker.
+
+Packaged once (dense features and a weighted KJT in, one logit per sample out), the package is
+loaded in a fresh process that imports only torch and embshard_kernels and gives the eager
+model's outputs on the example batch and on batches of other sizes; a bad id is named by
+feature and sample; wrong calls fail before any compiling.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from embshard_kernels.collections import EmbeddingBagCollection
+from embshard_kernels.quantize import quantize_embeddings
+from embshard_kernels.serving import ATOL, RTOL, load_for_serving, package_for_serving
+from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.keyed_tensor import KeyedTensor
+
+FEATURES = {"f1": 40, "f2": 40, "f3": 24}
+DENSE = 5
+
+
+class _Ranker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.sparse = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(
+                    name="t1", embedding_dim=16, num_embeddings=40, feature_names=["f1", "f2"]
+                ),
+                EmbeddingBagConfig(
+                    name="t2", embedding_dim=8, num_embeddings=24, feature_names=["f3"]
+                ),
+            ],
+            is_weighted=True,
+        )
+        self.over = nn.Linear(DENSE + 16 + 16 + 8, 1)
+
+    def forward(self, dense: Tensor, features: KeyedJaggedTensor) -> Tensor:
+        pooled: KeyedTensor = self.sparse(features)
+        return self.over(torch.cat([dense, pooled.values()], dim=1)).squeeze(1)
+
+
+def _batch(size: int, seed: int) -> tuple[Tensor, KeyedJaggedTensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(FEATURES) * size,), generator=g)
+    lengths[0] = 2
+    rows = torch.tensor(list(FEATURES.values())).repeat_interleave(size)
+    ids = torch.cat(
+        [
+            torch.randint(0, int(r), (int(n),), generator=g)
+            for r, n in zip(rows, lengths, strict=True)
+        ]
+    )
+    weights = torch.rand(ids.numel(), generator=g)
+    kjt = KeyedJaggedTensor.from_lengths_sync(list(FEATURES), ids, lengths, weights=weights)
+    return torch.rand(size, DENSE, generator=g), kjt
+
+
+@pytest.fixture(scope="module")
+def packaged(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, Path]:
+    model = quantize_embeddings(_Ranker().eval(), "int8")
+    path = tmp_path_factory.mktemp("serving") / "ranker.pt2"
+    assert package_for_serving(model, _batch(8, 1), path) == path
+    return model, path
+
+
+_LOADER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from embshard_kernels.serving import load_for_serving
+    from embshard_types.sparse import KeyedJaggedTensor
+
+    served = load_for_serving(sys.argv[1])
+    outputs = []
+    for b in torch.load(sys.argv[2]):
+        kjt = KeyedJaggedTensor(b["keys"], b["values"], weights=b["weights"], lengths=b["lengths"])
+        outputs.append(served(b["dense"], kjt))
+    torch.save(outputs, sys.argv[3])
+    print("FEATURE ROWS:", sorted(served.feature_rows.items()))
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("embshard_dist", "torchrec"))
+    print("EXTRA MODULES:", loaded)
+    """
+)
+
+
+def test_package_serves_the_eager_outputs_in_a_fresh_process(
+    packaged: tuple[nn.Module, Path], tmp_path: Path
+) -> None:
+    model, path = packaged
+    batches = [_batch(8, 1), _batch(3, 2), _batch(40, 3)]
+    torch.save(
+        [
+            {
+                "dense": d,
+                "keys": k.keys(),
+                "values": k.values(),
+                "weights": k.weights(),
+                "lengths": k.lengths(),
+            }
+            for d, k in batches
+        ],
+        tmp_path / "in.pt",
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LOADER,
+            str(path),
+            str(tmp_path / "in.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "EXTRA MODULES: []" in done.stdout, done.stdout
+    assert "FEATURE ROWS: [('f1', 40), ('f2', 40), ('f3', 24)]" in done.stdout, done.stdout
+    with torch.no_grad():
+        expected = [model(d, k) for d, k in batches]
+    for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_an_id_outside_its_table_is_named_by_feature_and_sample(
+    packaged: tuple[nn.Module, Path],
+) -> None:
+    served = load_for_serving(packaged[1])
+    dense, kjt = _batch(4, 5)
+    values = kjt.values().clone()
+    f3_start = int(kjt.offset_per_key()[2])
+    first_sample = int(torch.nonzero(kjt.lengths()[8:])[0])  # f3's first non-empty bag
+    values[f3_start] = 24
+    bad = KeyedJaggedTensor(kjt.keys(), values, weights=kjt.weights(), lengths=kjt.lengths())
+    with pytest.raises(ValueError, match=rf"'f3', sample {first_sample}: id 24 .* \[0, 24\)"):
+        served(dense, bad)
+
+
+def test_wrong_calls_fail_before_compiling(tmp_path: Path) -> None:
+    model = _Ranker()
+    with pytest.raises(ValueError, match=r"training mode; call model.eval\(\)"):
+        package_for_serving(model, _batch(4, 1), tmp_path / "a.pt2")
+    with pytest.raises(ValueError, match="input tensor #0 of the example has 1 rows"):
+        package_for_serving(model.eval(), _batch(1, 1), tmp_path / "a.pt2")
+    assert not (tmp_path / "a.pt2").exists()
+    with pytest.raises(FileNotFoundError, match="no package at"):
+        load_for_serving(tmp_path / "missing.pt2")
