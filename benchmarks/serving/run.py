@@ -18,7 +18,8 @@ where measured, to TorchRec's TorchScript one (its own serving form).
 Memory: each variant in a fresh process, its peak resident memory (``VmHWM``) growth from
 after the imports to after building the model and serving one batch of 64; embshard's quantized
 variants are built as a server would, from a quantized export (``embshard checkpoint export
---quantize``), TorchRec's by quantizing its float model (its own path). Results go to
+--quantize``), its packaged ones by loading their package, TorchRec's by quantizing its float
+model (its own path). Results go to
 ``benchmarks/results/serving/``.
 """
 
@@ -137,14 +138,21 @@ variant, export = sys.argv[1], sys.argv[2]
 import embshard_dist.models.dlrm, embshard_kernels.quantize, embshard_dist.checkpoint.export
 if variant.startswith("torchrec"):
     import torchrec, torchrec.models.dlrm, torchrec.quant.embedding_modules
+if variant.endswith(models.AOTI):
+    import embshard_kernels.serving, torch._inductor.package
 def status(key):
     return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 batch = models.batches(64, 1)[0]
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 base = status("VmRSS")
-library, dtype = variant.split("-")
-if library == "embshard" and dtype != "fp32":
+library, dtype = models.eager_of(variant).split("-")
+if variant.endswith(models.AOTI):
+    from embshard_kernels.serving import load_for_serving
+    from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+    model = load_for_serving(f"{export}/{variant}.pt2")
+    inputs = lambda b: (b.dense, KeyedJaggedTensor.from_lengths_sync(list(b.keys), b.values, b.lengths))
+elif library == "embshard" and dtype != "fp32":
     model = models.embshard_served_from_export(f"{export}/{dtype}", dtype)
     from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
     inputs = lambda b: (b.dense, KeyedJaggedTensor.from_lengths_sync(list(b.keys), b.values, b.lengths))
@@ -170,13 +178,26 @@ def _exports(root: Path, dtypes: list[str]) -> None:
         export_checkpoint(root / "ckpt", root / dtype, optimizer=False, quantize=dtype)
 
 
+def _packages(root: Path, variants: list[str]) -> None:
+    """The ``+aoti`` variants' packages, ``root/<variant>.pt2``, made from the eager models."""
+    from embshard_kernels.serving import package_for_serving
+
+    for v in variants:
+        model, inputs = models.build(models.eager_of(v))
+        package_for_serving(model, inputs(models.batches(64, 1, seed=97)[0]), root / f"{v}.pt2")
+        del model
+
+
 def memory(variants: list[str]) -> dict[str, Any]:
-    """Peak memory of each eager variant (a compiled one holds the same tables)."""
-    variants = [v for v in variants if models.eager_of(v) == v]
+    """Peak memory of each eager and each packaged variant (a compiled one holds the same
+    tables as its eager model); a packaged one is loaded from its file, as a server does."""
+    variants = [v for v in variants if models.eager_of(v) == v or v.endswith(models.AOTI)]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=RESULTS) as tmp:
-        dtypes = sorted({v.split("-")[1] for v in variants if v.startswith("embshard")} - {"fp32"})
+        eager = [v for v in variants if models.eager_of(v) == v]
+        dtypes = sorted({v.split("-")[1] for v in eager if v.startswith("embshard")} - {"fp32"})
         _exports(Path(tmp), dtypes)
+        _packages(Path(tmp), [v for v in variants if v.endswith(models.AOTI)])
         for v in variants:
             proc = subprocess.run(
                 [sys.executable, "-c", _MEMORY, v, tmp],

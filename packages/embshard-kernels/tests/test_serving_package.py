@@ -149,6 +149,17 @@ def test_an_id_outside_its_table_is_named_by_feature_and_sample(
         served(dense, bad)
 
 
+def test_inputs_of_another_structure_are_refused(packaged: tuple[nn.Module, Path]) -> None:
+    served = load_for_serving(packaged[1])
+    dense, kjt = _batch(4, 6)
+    parts = kjt.to_dict()
+    reordered = KeyedJaggedTensor.from_jt_dict({k: parts[k] for k in ("f2", "f1", "f3")})
+    with pytest.raises(ValueError, match="is not the package's"):
+        served(dense, reordered)
+    with pytest.raises(ValueError, match="is not the package's"):
+        served(dense)
+
+
 def test_wrong_calls_fail_before_compiling(tmp_path: Path) -> None:
     model = _Ranker()
     with pytest.raises(ValueError, match=r"training mode; call model.eval\(\)"):

@@ -15,7 +15,7 @@ no cost to calls that succeed. Compiling needs Inductor's C++ compiler; loading 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,14 @@ def package_for_serving(
     torch._inductor.aoti_compile_and_package(
         program,
         package_path=str(path),
-        inductor_configs={"freezing": True, "aot_inductor.metadata": metadata},
+        inductor_configs={
+            "freezing": True,
+            "aot_inductor.metadata": metadata,
+            # Weights beside the compiled code, not inside it: a loaded package then holds them
+            # once instead of in both the mapped library and a copy.
+            "aot_inductor.package_constants_in_so": False,
+            "aot_inductor.package_constants_on_disk_format": "binary_blob",
+        },
     )
     got = load_for_serving(path)(*example_inputs)
     _check_same(got, expected, path)
@@ -87,21 +94,35 @@ def package_for_serving(
 
 
 class ServedModel:
-    """A packaged model, called with the model's inputs; see the module docstring."""
+    """A packaged model, called with the model's inputs; see the module docstring.
 
-    def __init__(self, runner: Callable[..., Any], feature_rows: Mapping[str, int]) -> None:
-        self._runner = runner
+    Inputs must have the example's structure (the same KJT keys in the same order, weights or
+    not); anything else raises ``ValueError`` before the package runs.
+    """
+
+    def __init__(self, runner: Any, feature_rows: Mapping[str, int]) -> None:
+        self._loader = runner.loader
+        in_spec, out_spec = self._loader.get_call_spec()
+        self._in_spec = pytree.treespec_loads(in_spec)
+        self._out_spec = pytree.treespec_loads(out_spec)
         self.feature_rows = dict(feature_rows)
         """Each feature's table rows, as the packaged model's collections had them."""
 
     def __call__(self, *inputs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((inputs, {}))
+        if spec != self._in_spec:
+            raise ValueError(
+                f"served model: the inputs' structure {spec} is not the package's "
+                f"{self._in_spec} (same positional inputs, KJT keys in the same order)"
+            )
         try:
-            return self._runner(*inputs)
+            outputs = self._loader.boxed_run([x for x in leaves if isinstance(x, Tensor)])
         except RuntimeError as e:
             problem = _bad_id(inputs, self.feature_rows)
             if problem is None:
                 raise
             raise ValueError(f"served model: {problem}; hash or clamp ids before serving") from e
+        return pytree.tree_unflatten(outputs, self._out_spec)
 
 
 def load_for_serving(path: str | Path) -> ServedModel:
