@@ -208,9 +208,9 @@ def compare(session: nox.Session) -> None:
 @nox.session
 def serving(session: nox.Session) -> None:
     """Serving: latency (p50, p99) and throughput at batch 1, 64 and 512 of a DLRM on W2's
-    tables, embshard fp32 / INT8 / INT4 beside TorchRec 1.8.0's float and quantized
-    (``QuantEmbeddingBagCollection``) models in the same process, and each variant's peak
-    memory in a fresh one. Arguments go to the driver, e.g. ``nox -s serving -- --seconds 5``.
+    tables, embshard fp32 / INT8 / INT4 (eager, compiled and packaged with AOTInductor)
+    beside TorchRec 1.8.0's float and quantized (``QuantEmbeddingBagCollection``) models,
+    eager and TorchScript, in the same process, and each variant's peak memory in a fresh one. Arguments go to the driver, e.g. ``nox -s serving -- --seconds 5``.
     Results go to ``benchmarks/results/serving/``."""
     _with_torchrec(session)
     session.run("python", "-m", "benchmarks.serving.run", *session.posargs)
