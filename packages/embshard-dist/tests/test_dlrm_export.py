@@ -8,6 +8,7 @@ the eager model's outputs bit for bit on the example batch and on a batch of ano
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,12 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.export import Dim
 
+from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.models.dlrm import DLRM
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_kernels.quantize import quantize_embeddings
+from embshard_kernels.serving import package_for_serving
 from embshard_types.configs import EmbeddingBagConfig
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
@@ -119,3 +123,21 @@ def test_dynamo_sees_the_dlrm_forward_without_graph_breaks(data_type: str) -> No
         explained = torch._dynamo.explain(model)(*batch(8, 3))
     assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+def test_a_sharded_model_is_refused_by_package_for_serving(tmp_path: Path) -> None:
+    """A package serves in one process: packaging a DMP model names its sharded module."""
+    started = not dist.is_initialized()
+    if started:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = DistributedModelParallel(dlrm("fp32"), device=torch.device("cpu")).eval()
+        with pytest.raises(ValueError, match=r"embedding_bag_collection' is sharded .*unsharded"):
+            package_for_serving(model, batch(8, 1), tmp_path / "m.pt2")
+        assert not (tmp_path / "m.pt2").exists()
+    finally:
+        if started:
+            dist.destroy_process_group()

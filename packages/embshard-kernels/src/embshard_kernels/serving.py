@@ -26,6 +26,7 @@ from torch.export import Dim, ShapesCollection
 
 from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_kernels.quantize import QuantEmbeddingBagCollection, QuantEmbeddingCollection
+from embshard_types.sharded_module import ShardedModule
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
 __all__ = ["ServedModel", "load_for_serving", "package_for_serving"]
@@ -60,8 +61,8 @@ def package_for_serving(
         ``path``, after its loaded package gave the eager model's outputs on the example.
 
     Raises:
-        ValueError: the model is in training mode or an example tensor is too small to be
-            dynamic.
+        ValueError: the model is in training mode or sharded, or an example tensor is too small
+            to be dynamic.
         RuntimeError: the package's outputs differ from the eager model's (beyond ``ATOL`` /
             ``RTOL``).
     """
@@ -69,6 +70,14 @@ def package_for_serving(
         raise ValueError(
             "package_for_serving: the model is in training mode; call model.eval() first "
             "(a served program runs no backward and no dropout)"
+        )
+    sharded = [n or "the model" for n, m in model.named_modules() if isinstance(m, ShardedModule)]
+    if sharded:
+        raise ValueError(
+            f"package_for_serving: {sharded[0]!r} is sharded ({len(sharded)} sharded module(s)); "
+            "a package serves in one process: package the unsharded model with the trained "
+            "tables (e.g. quantize_embeddings on a model filled by load_quantized_export from "
+            "`embshard checkpoint export --quantize`)"
         )
     path = Path(path)
     shapes = _dynamic_rows(model, example_inputs) if dynamic_batch else None
