@@ -3,7 +3,8 @@
 Packaged once (dense features and a weighted KJT in, one logit per sample out), the package is
 loaded in a fresh process that imports only torch and embshard_kernels and gives the eager
 model's outputs on the example batch and on batches of other sizes; a bad id is named by
-feature and sample; wrong calls fail before any compiling.
+feature and sample; wrong calls fail before any compiling. A quantized sequence collection
+(``dict`` of ``JaggedTensor`` out, sizes known only from the ids) packages too.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from embshard_kernels.collections import EmbeddingBagCollection
+from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_kernels.quantize import quantize_embeddings
 from embshard_kernels.serving import ATOL, RTOL, load_for_serving, package_for_serving
-from embshard_types.configs import EmbeddingBagConfig
+from embshard_types.configs import EmbeddingBagConfig, EmbeddingConfig
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
 
@@ -158,6 +159,31 @@ def test_inputs_of_another_structure_are_refused(packaged: tuple[nn.Module, Path
         served(dense, reordered)
     with pytest.raises(ValueError, match="is not the package's"):
         served(dense)
+
+
+def test_a_sequence_collection_packages(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    collection = EmbeddingCollection(
+        [
+            EmbeddingConfig(
+                name="t1", embedding_dim=8, num_embeddings=40, feature_names=["f1", "f2"]
+            ),
+            EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=24, feature_names=["f3"]),
+        ]
+    )
+    model = quantize_embeddings(nn.Sequential(collection).eval(), "int8")
+
+    def ids(size: int, seed: int) -> KeyedJaggedTensor:
+        kjt = _batch(size, seed)[1]
+        return KeyedJaggedTensor(kjt.keys(), kjt.values(), lengths=kjt.lengths())
+
+    served = load_for_serving(package_for_serving(model, (ids(8, 1),), tmp_path / "seq.pt2"))
+    for size, seed in ((8, 1), (3, 2), (17, 3)):
+        got, want = served(ids(size, seed)), model(ids(size, seed))
+        assert list(got) == list(want) == list(FEATURES)
+        for key in want:
+            assert torch.equal(got[key].lengths(), want[key].lengths())
+            torch.testing.assert_close(got[key].values(), want[key].values(), atol=ATOL, rtol=RTOL)
 
 
 def test_wrong_calls_fail_before_compiling(tmp_path: Path) -> None:

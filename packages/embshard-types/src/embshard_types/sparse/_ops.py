@@ -38,14 +38,24 @@ def differences(running: Sequence[int]) -> list[int]:
 def offsets_at(offsets: Tensor, positions: Sequence[int], uniform_step: int = 0) -> list[int]:
     """Read ``offsets[p]`` for each ``p`` in ``positions`` back to Python (one device sync).
 
+    Traced (``torch.export``), the values stay symbolic sizes, checked to be non-decreasing, so a
+    sequence collection's per-feature outputs export without fixing them to the example's.
+
     Args:
         uniform_step: when positive, ``positions`` is ``0, step, 2*step, ...`` and a strided
             view replaces the index tensor.
     """
     if uniform_step > 0:
-        return [int(v) for v in offsets[::uniform_step].tolist()]
-    index = torch.tensor(list(positions), dtype=torch.long, device=offsets.device)
-    return [int(v) for v in offsets.index_select(0, index).tolist()]
+        read = offsets[::uniform_step].tolist()
+    else:
+        index = torch.tensor(list(positions), dtype=torch.long, device=offsets.device)
+        read = offsets.index_select(0, index).tolist()
+    if torch.compiler.is_compiling():
+        # Traced (torch.export): unbacked sizes, known only to be non-decreasing from 0.
+        for a, b in pairwise(read):
+            torch._check(b >= a)
+        return list(read)
+    return [int(v) for v in read]
 
 
 def gather_segments(tensor: Tensor, bounds: Sequence[int], order: Sequence[int]) -> Tensor:
