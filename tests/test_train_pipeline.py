@@ -8,7 +8,9 @@ SGD and RowWiseAdagrad: the outputs of every step, the weights (every local shar
 of the fused and dense optimizers are equal after 20 steps, bit for bit on the CPU. Also: a
 loader that ends mid-pipeline (7 batches, run to the end; then a second epoch on a fresh
 iterator), ``execute_all_batches=False``, and a model that reads its features from another field
-through ``sparse_of``. Under ``EMBSHARD_TEST_BACKEND=nccl`` the same runs on the GPUs, through
+through ``sparse_of``. ``TrainPipelineBase`` (the plain loop behind the pipeline interface)
+equals the plain loop too, and ``EvalPipelineSparseDist`` gives the plain forward's outputs and
+never steps, whatever the model's mode. Under ``EMBSHARD_TEST_BACKEND=nccl`` the same runs on the GPUs, through
 the side-stream path, compared within 1e-6 (CUDA kernels may sum in another order).
 """
 
@@ -26,7 +28,11 @@ from _mp import require_devices, run_on_ranks, test_device
 from torch import Tensor, nn
 
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
-from embshard_dist.train_pipeline import TrainPipelineSparseDist
+from embshard_dist.train_pipeline import (
+    EvalPipelineSparseDist,
+    TrainPipelineBase,
+    TrainPipelineSparseDist,
+)
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig
@@ -186,9 +192,7 @@ def plain_steps(model: Any, batches: list[Any]) -> list[Tensor]:
     return outputs
 
 
-def piped_steps(
-    pipeline: TrainPipelineSparseDist[Any, Tensor], batches: Iterator[Any]
-) -> list[Tensor]:
+def piped_steps(pipeline: Any, batches: Iterator[Any]) -> list[Tensor]:
     outputs = []
     while True:
         try:
@@ -267,6 +271,41 @@ def run_edges() -> list[int]:
     return [dropped, compare_models(other, reference, "sparse_of")]
 
 
+def run_base_and_eval() -> list[int]:
+    """TrainPipelineBase against the plain loop (two epochs); then EvalPipelineSparseDist in
+    eval and in train mode against plain forwards, with nothing stepped."""
+    torch.set_num_threads(1)
+    spec = OPTIMIZERS["rowwise_adagrad"]
+    based, plain = build(spec, "mixed"), build(spec, "mixed")
+    pipeline = TrainPipelineBase(based, based.optimizer(), test_device())
+    start = 0
+    for count in (6, 3):
+        batches = host_batches(count, start)
+        start += count
+        outputs = piped_steps(pipeline, iter(batches))
+        expected = plain_steps(plain, [on_device(b) for b in batches])
+        assert len(outputs) == count
+        for out, ref in zip(outputs, expected, strict=True):
+            check_equal(out, ref, "TrainPipelineBase output")
+    trained = compare_models(based, plain, "TrainPipelineBase")
+
+    evaluated = []
+    for training in (False, True):
+        based.train(training)
+        plain.train(training)
+        batches = host_batches(5, start)
+        with torch.no_grad():
+            outputs = piped_steps(
+                EvalPipelineSparseDist(based, based.optimizer(), test_device()), iter(batches)
+            )
+            expected = [plain(on_device(b))[1] for b in batches]
+        assert len(outputs) == 5
+        for out, ref in zip(outputs, expected, strict=True):
+            check_equal(out, ref, f"EvalPipelineSparseDist output (training={training})")
+        evaluated.append(compare_models(based, plain, f"after eval (training={training})"))
+    return [trained, *evaluated]
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("plan_name", ["tw", "rw", "dp", "cw", "mixed"])
 def test_pipeline_equals_plain_loop(plan_name: str, optimizer: str) -> None:
@@ -278,4 +317,10 @@ def test_pipeline_equals_plain_loop(plan_name: str, optimizer: str) -> None:
 def test_pipeline_stops_early_and_reads_sparse_of() -> None:
     require_devices(WORLD)
     results = run_on_ranks(WORLD, run_edges, timeout_s=240)
+    assert all(n > 0 for per_rank in results for n in per_rank)
+
+
+def test_base_pipeline_trains_and_eval_pipeline_only_forwards() -> None:
+    require_devices(WORLD)
+    results = run_on_ranks(WORLD, run_base_and_eval, timeout_s=240)
     assert all(n > 0 for per_rank in results for n in per_rank)

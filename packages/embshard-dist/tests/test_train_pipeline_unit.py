@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.models import DLRM, DLRMTrain
 from embshard_dist.train_pipeline import (
+    TrainPipelineBase,
     TrainPipelineSparseDist,
     find_sharded_modules,
     move_batch,
@@ -314,3 +315,40 @@ def test_move_batch_keeps_structure_and_moves_every_tensor() -> None:
     assert moved["c"].values().is_meta and moved["c"].keys() == ["f_a", "f_b"]
     same = torch.ones(1)
     assert move_batch(same, torch.device("cpu")) is same
+
+
+class DenseOnly(nn.Module):
+    """No sharded module: ``TrainPipelineSparseDist`` refuses it, ``TrainPipelineBase`` runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.top = nn.Linear(3, 1)
+
+    def forward(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        logits = self.top(batch.dense_features).squeeze(-1)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def test_base_pipeline_is_the_plain_loop_for_any_model() -> None:
+    data = batches(4)
+    model, reference = DenseOnly(), DenseOnly()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    pipeline = TrainPipelineBase(model, optimizer, "cpu")
+    with pytest.raises(StopIteration):
+        pipeline.progress(iter([]))
+    outputs = run(pipeline, iter(data))
+    expected = []
+    for batch in data:
+        ref_optimizer.zero_grad()
+        loss, out = reference(batch)
+        loss.backward()
+        ref_optimizer.step()
+        expected.append(out)
+    assert len(outputs) == 4
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
+    assert torch.equal(model.top.weight, reference.top.weight)
+    assert len(run(pipeline, iter(batches(2)))) == 2  # a second epoch
+    with pytest.raises(ValueError, match="holds no sharded module"):
+        TrainPipelineSparseDist(model, optimizer, "cpu")

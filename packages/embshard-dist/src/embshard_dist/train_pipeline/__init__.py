@@ -1,17 +1,26 @@
 """Train pipelines (TorchRec's ``torchrec.distributed.train_pipeline``).
 
 :class:`TrainPipelineSparseDist` overlaps the next batch's input distribution with the current
-batch's forward, backward and optimizer step, with results equal to the plain training loop's.
+batch's forward, backward and optimizer step, with results equal to the plain training loop's;
+:class:`EvalPipelineSparseDist` does the same for forwards only; :class:`TrainPipelineBase` is
+the plain loop behind the same interface (only the next batch's copy overlapped).
 """
 
+from embshard_dist.train_pipeline.base import TrainPipelineBase
 from embshard_dist.train_pipeline.batch import Pipelineable, move_batch
-from embshard_dist.train_pipeline.sparse_dist import TrainPipeline, TrainPipelineSparseDist
+from embshard_dist.train_pipeline.sparse_dist import (
+    EvalPipelineSparseDist,
+    TrainPipeline,
+    TrainPipelineSparseDist,
+)
 from embshard_dist.train_pipeline.sparse_inputs import SparseOf, find_sharded_modules
 
 __all__ = [
+    "EvalPipelineSparseDist",
     "Pipelineable",
     "SparseOf",
     "TrainPipeline",
+    "TrainPipelineBase",
     "TrainPipelineSparseDist",
     "find_sharded_modules",
     "move_batch",

@@ -36,7 +36,7 @@ from embshard_dist.train_pipeline.sparse_inputs import (
 )
 from embshard_dist.train_pipeline.streams import SideStreams, hand_over, on_stream
 
-__all__ = ["TrainPipeline", "TrainPipelineSparseDist"]
+__all__ = ["EvalPipelineSparseDist", "TrainPipeline", "TrainPipelineSparseDist"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -61,6 +61,8 @@ class _InFlight:
 
 class TrainPipelineSparseDist(TrainPipeline[In, Out]):
     """Overlaps the next batch's input dist (and, on CUDA, its copy) with this batch's step.
+
+    A model in eval mode runs forward only (no backward, no optimizer step).
 
     Args:
         model: a model holding sharded modules (usually a ``DistributedModelParallel``) whose
@@ -87,6 +89,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         ValueError: ``model`` holds no sharded module; ``accumulate_grad_batches`` is not an
             int >= 1.
     """
+
+    _trains = True
+    """Whether a model in training mode gets its backward and optimizer step."""
 
     def __init__(
         self,
@@ -159,7 +164,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         if not self._batches:
             raise StopIteration
         current = self._batches[0]
-        training = self._model.training
+        training = self._model.training and self._trains
         if training and self._micro_batch == 0:
             self._optimizer.zero_grad()
         hand_over(current.batch, self._streams.dist)
@@ -256,3 +261,11 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
                 for prepared in flight.inputs.values():
                     prepared.start_values().wait()
         self._batches.clear()
+
+
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
+    """TorchRec's evaluation pipeline: forward only, in any mode, with the next batch's input
+    dist (and, on CUDA, its copy) overlapped. Gradients are recorded or not as the caller's
+    grad mode says (wrap the loop in ``torch.no_grad()``); ``optimizer`` is never used."""
+
+    _trains = False
