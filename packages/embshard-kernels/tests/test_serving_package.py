@@ -186,6 +186,17 @@ def test_a_sequence_collection_packages(tmp_path: Path) -> None:
             torch.testing.assert_close(got[key].values(), want[key].values(), atol=ATOL, rtol=RTOL)
 
 
+class _Noisy(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.rand_like(x)  # never the same twice: the package cannot agree
+
+
+def test_a_package_that_disagrees_with_its_model_is_removed(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"output #0 of the package .* differs"):
+        package_for_serving(_Noisy().eval(), (torch.zeros(4, 3),), tmp_path / "noisy.pt2")
+    assert not (tmp_path / "noisy.pt2").exists()
+
+
 def test_wrong_calls_fail_before_compiling(tmp_path: Path) -> None:
     model = _Ranker()
     with pytest.raises(ValueError, match=r"training mode; call model.eval\(\)"):

@@ -64,7 +64,7 @@ def package_for_serving(
         ValueError: the model is in training mode or sharded, or an example tensor is too small
             to be dynamic.
         RuntimeError: the package's outputs differ from the eager model's (beyond ``ATOL`` /
-            ``RTOL``).
+            ``RTOL``); the package is removed.
     """
     if model.training:
         raise ValueError(
@@ -84,21 +84,23 @@ def package_for_serving(
     with torch.no_grad():
         expected = model(*example_inputs)
         program = torch.export.export(model, example_inputs, dynamic_shapes=shapes, strict=False)
-    metadata = {_FEATURE_ROWS: json.dumps(_feature_rows(model))}
+    configs: dict[str, Any] = {
+        "freezing": True,
+        "aot_inductor.metadata": {_FEATURE_ROWS: json.dumps(_feature_rows(model))},
+    }
+    if program.state_dict or program.constants:  # an empty blob fails to map when loaded
+        # Weights beside the compiled code, not inside it: a loaded package then holds them
+        # once instead of in both the mapped library and a copy.
+        configs["aot_inductor.package_constants_in_so"] = False
+        configs["aot_inductor.package_constants_on_disk_format"] = "binary_blob"
     torch._inductor.aoti_compile_and_package(
-        program,
-        package_path=str(path),
-        inductor_configs={
-            "freezing": True,
-            "aot_inductor.metadata": metadata,
-            # Weights beside the compiled code, not inside it: a loaded package then holds them
-            # once instead of in both the mapped library and a copy.
-            "aot_inductor.package_constants_in_so": False,
-            "aot_inductor.package_constants_on_disk_format": "binary_blob",
-        },
+        program, package_path=str(path), inductor_configs=configs
     )
-    got = load_for_serving(path)(*example_inputs)
-    _check_same(got, expected, path)
+    try:
+        _check_same(load_for_serving(path)(*example_inputs), expected, path)
+    except Exception:
+        path.unlink(missing_ok=True)  # never leave a package that failed its check
+        raise
     return path
 
 
