@@ -4,11 +4,14 @@ Packaged once (dense features and a weighted KJT in, one logit per sample out), 
 loaded in a fresh process that imports only torch and embshard_kernels and gives the eager
 model's outputs on the example batch and on batches of other sizes; a bad id is named by
 feature and sample; wrong calls fail before any compiling. A quantized sequence collection
-(``dict`` of ``JaggedTensor`` out, sizes known only from the ids) packages too.
+(``dict`` of ``JaggedTensor`` out, sizes known only from the ids) packages too. A C++ process
+(``embshard_kernels/cpp/serve_package.cpp``, compiled here against the installed libtorch) serves the package
+with the eager model's outputs, with no Python in it.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,9 +21,16 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import embshard_kernels
 from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_kernels.quantize import quantize_embeddings
-from embshard_kernels.serving import ATOL, RTOL, load_for_serving, package_for_serving
+from embshard_kernels.serving import (
+    ATOL,
+    RTOL,
+    fbgemm_libraries,
+    load_for_serving,
+    package_for_serving,
+)
 from embshard_types.configs import EmbeddingBagConfig, EmbeddingConfig
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
@@ -134,6 +144,60 @@ def test_package_serves_the_eager_outputs_in_a_fresh_process(
     for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+SERVER = Path(embshard_kernels.__file__).parent / "cpp" / "serve_package.cpp"
+
+
+def _compile_server(out: Path) -> Path:
+    """``serve_package.cpp`` built against this environment's libtorch."""
+    from torch.utils import cpp_extension
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (c++ / g++) to build the C++ server")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    command = [
+        compiler, "-std=c++20", "-O1", str(SERVER), "-o", str(out),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        *(f"-L{p}" for p in cpp_extension.library_paths()),
+        *(f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()),
+        "-Wl,--no-as-needed", "-ltorch", "-ltorch_cpu", "-lc10", "-ldl",
+    ]  # fmt: skip
+    built = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-4000:]
+    return out
+
+
+def test_a_cpp_process_serves_the_package(packaged: tuple[nn.Module, Path], tmp_path: Path) -> None:
+    model, path = packaged
+    server = _compile_server(tmp_path / "serve_package")
+    batches = [_batch(8, 1), _batch(3, 2), _batch(21, 4)]
+    flat = [[d, k.values(), k.weights(), k.lengths()] for d, k in batches]
+    torch.save(flat, tmp_path / "requests.pt")
+    libraries = [str(p) for p in fbgemm_libraries()]
+    assert libraries, "no FBGEMM library found to load"
+    done = subprocess.run(
+        [
+            str(server),
+            str(path),
+            str(tmp_path / "requests.pt"),
+            str(tmp_path / "replies.pt"),
+            *libraries,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "served 3 requests" in done.stdout
+    # written by our own server with torch::pickle_save: a list of lists of tensors
+    replies = torch.load(tmp_path / "replies.pt", weights_only=False)
+    with torch.no_grad():
+        for (dense, kjt), reply in zip(batches, replies, strict=True):
+            (got,) = reply
+            torch.testing.assert_close(got, model(dense, kjt), atol=ATOL, rtol=RTOL)
 
 
 def test_an_id_outside_its_table_is_named_by_feature_and_sample(

@@ -10,6 +10,11 @@ embshard-kernels: no dynamo, no guards and no Python model code run per call. An
 table fails inside the package (FBGEMM's FATAL bounds check); the loaded model then names the
 feature, sample and id in a ``ValueError`` (the package records each feature's table rows), at
 no cost to calls that succeed. Compiling needs Inductor's C++ compiler; loading does not.
+
+A process without Python serves a package through libtorch's ``AOTIModelPackageLoader`` once it
+has loaded FBGEMM's operator libraries (:func:`fbgemm_libraries`); ``cpp/serve_package.cpp``,
+installed with this package, is such a server. Its inputs are the model's inputs flattened (dense
+features, then each KJT's values, weights if any, and lengths).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from embshard_kernels.quantize import QuantEmbeddingBagCollection, QuantEmbeddin
 from embshard_types.sharded_module import ShardedModule
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
-__all__ = ["ServedModel", "load_for_serving", "package_for_serving"]
+__all__ = ["ServedModel", "fbgemm_libraries", "load_for_serving", "package_for_serving"]
 
 _FEATURE_ROWS = "embshard.feature_rows"
 """Package metadata key: JSON ``{feature: table rows}`` of the model's collections."""
@@ -148,6 +153,18 @@ def load_for_serving(path: str | Path) -> ServedModel:
     runner = torch._inductor.aoti_load_package(str(path))
     rows = json.loads(runner.get_metadata().get(_FEATURE_ROWS, "{}"))
     return ServedModel(runner, {str(k): int(v) for k, v in rows.items()})
+
+
+def fbgemm_libraries() -> list[Path]:
+    """FBGEMM's operator libraries, in the order FBGEMM loads them: what a process without
+    Python loads (``dlopen`` with ``RTLD_GLOBAL``) before it loads a package."""
+    from embshard_kernels._fbgemm import fbgemm_gpu
+
+    root = Path(fbgemm_gpu.__file__).parent
+    names = getattr(fbgemm_gpu, "fbgemm_gpu_libraries", None) or sorted(
+        p.stem for p in root.glob("fbgemm_gpu_*.so")
+    )
+    return [root / f"{name}.so" for name in names if (root / f"{name}.so").is_file()]
 
 
 def _dynamic_rows(model: nn.Module, example_inputs: tuple[Any, ...]) -> Any:
