@@ -6,7 +6,8 @@ model's outputs on the example batch and on batches of other sizes; a bad id is 
 feature and sample; wrong calls fail before any compiling. A quantized sequence collection
 (``dict`` of ``JaggedTensor`` out, sizes known only from the ids) packages too. A C++ process
 (``embshard_kernels/cpp/serve_package.cpp``, compiled here against the installed libtorch) serves the package
-with the eager model's outputs, with no Python in it.
+with the eager model's outputs, with no Python in it. On CUDA (``nox -s gpu_tests``) a package of
+the ranker on the GPU serves the eager GPU model's outputs.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ DENSE = 5
 
 
 class _Ranker(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.sparse = EmbeddingBagCollection(
@@ -53,8 +54,9 @@ class _Ranker(nn.Module):
                 ),
             ],
             is_weighted=True,
+            device=device,
         )
-        self.over = nn.Linear(DENSE + 16 + 16 + 8, 1)
+        self.over = nn.Linear(DENSE + 16 + 16 + 8, 1, device=device)
 
     def forward(self, dense: Tensor, features: KeyedJaggedTensor) -> Tensor:
         pooled: KeyedTensor = self.sparse(features)
@@ -270,3 +272,20 @@ def test_wrong_calls_fail_before_compiling(tmp_path: Path) -> None:
     assert not (tmp_path / "a.pt2").exists()
     with pytest.raises(FileNotFoundError, match="no package at"):
         load_for_serving(tmp_path / "missing.pt2")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs under nox -s gpu_tests")
+def test_a_cuda_package_serves_the_eager_outputs(tmp_path: Path) -> None:
+    model = quantize_embeddings(_Ranker("cuda").eval(), "int8")
+
+    def on_gpu(size: int, seed: int) -> tuple[Tensor, KeyedJaggedTensor]:
+        dense, kjt = _batch(size, seed)
+        return dense.cuda(), kjt.to(torch.device("cuda"))
+
+    served = load_for_serving(package_for_serving(model, on_gpu(8, 1), tmp_path / "gpu.pt2"))
+    with torch.no_grad():
+        for size, seed in ((8, 1), (3, 2), (40, 3)):
+            batch = on_gpu(size, seed)
+            got, want = served(*batch), model(*batch)
+            assert got.device.type == "cuda"
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
