@@ -11,16 +11,15 @@ each round) under ``torch.inference_mode``, for about ``--seconds`` per batch si
 warm-up; p50 / p99 per forward and throughput = batch / mean. Outputs are compared first:
 embshard's and TorchRec's fp32 models must agree exactly, and their INT8 and INT4 models too; a
 compiled, scripted or packaged variant (``+compiled``, ``+script``, ``+aoti``, see ``models``)
-agrees with its eager model within ``COMPILED_TOLERANCE`` (Inductor fuses and reorders float operations). A
-variant that cannot serve (TorchRec's quantized model under ``torch.compile``) is reported with
-its error. Each embshard row gives its ratio to TorchRec's eager model of the same data type and,
-where measured, to TorchRec's TorchScript one (its own serving form).
+agrees with its eager model within ``COMPILED_TOLERANCE`` (Inductor fuses and reorders float
+operations). A variant that cannot serve (TorchRec's quantized model under ``torch.compile``)
+is reported with its error. Each embshard row gives its ratio to TorchRec's eager model of the
+same data type and, where measured, to TorchRec's TorchScript one (its own serving form).
 Memory: each variant in a fresh process, its peak resident memory (``VmHWM``) growth from
 after the imports to after building the model and serving one batch of 64; embshard's quantized
 variants are built as a server would, from a quantized export (``embshard checkpoint export
 --quantize``), its packaged ones by loading their package, TorchRec's by quantizing its float
-model (its own path). Results go to
-``benchmarks/results/serving/``.
+model (its own path). Results go to ``benchmarks/results/serving/``.
 """
 
 from __future__ import annotations
