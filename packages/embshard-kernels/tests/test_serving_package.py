@@ -125,7 +125,7 @@ def test_package_serves_the_eager_outputs_in_a_fresh_process(
         ],
         tmp_path / "in.pt",
     )
-    done = subprocess.run(
+    out = _run(
         [
             sys.executable,
             "-c",
@@ -133,19 +133,22 @@ def test_package_serves_the_eager_outputs_in_a_fresh_process(
             str(path),
             str(tmp_path / "in.pt"),
             str(tmp_path / "out.pt"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        ]
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "EXTRA MODULES: []" in done.stdout, done.stdout
-    assert "FEATURE ROWS: [('f1', 40), ('f2', 40), ('f3', 24)]" in done.stdout, done.stdout
+    assert "EXTRA MODULES: []" in out, out
+    assert "FEATURE ROWS: [('f1', 40), ('f2', 40), ('f3', 24)]" in out, out
     with torch.no_grad():
         expected = [model(d, k) for d, k in batches]
     for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def _run(command: list[str]) -> str:
+    """Run ``command`` (10 minutes at most); its stdout, once it exited 0."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
 
 
 SERVER = Path(embshard_kernels.__file__).parent / "cpp" / "serve_package.cpp"
@@ -167,8 +170,7 @@ def _compile_server(out: Path) -> Path:
         *(f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()),
         "-Wl,--no-as-needed", "-ltorch", "-ltorch_cpu", "-lc10", "-ldl",
     ]  # fmt: skip
-    built = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-4000:]
+    _run(command)
     return out
 
 
@@ -177,25 +179,14 @@ def test_a_cpp_process_serves_the_package(packaged: tuple[nn.Module, Path], tmp_
     server = _compile_server(tmp_path / "serve_package")
     batches = [_batch(8, 1), _batch(3, 2), _batch(21, 4)]
     flat = [[d, k.values(), k.weights(), k.lengths()] for d, k in batches]
-    torch.save(flat, tmp_path / "requests.pt")
+    requests, replies_file = tmp_path / "requests.pt", tmp_path / "replies.pt"
+    torch.save(flat, requests)
     libraries = [str(p) for p in fbgemm_libraries()]
     assert libraries, "no FBGEMM library found to load"
-    done = subprocess.run(
-        [
-            str(server),
-            str(path),
-            str(tmp_path / "requests.pt"),
-            str(tmp_path / "replies.pt"),
-            *libraries,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "served 3 requests" in done.stdout
+    command = [str(server), str(path), str(requests), str(replies_file), *libraries]
+    assert "served 3 requests" in _run(command)
     # written by our own server with torch::pickle_save: a list of lists of tensors
-    replies = torch.load(tmp_path / "replies.pt", weights_only=False)
+    replies = torch.load(replies_file, weights_only=False)
     with torch.no_grad():
         for (dense, kjt), reply in zip(batches, replies, strict=True):
             (got,) = reply

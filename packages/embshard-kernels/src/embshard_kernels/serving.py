@@ -7,9 +7,9 @@ into a ``.pt2`` package, and checks the loaded package against the eager model o
 :func:`load_for_serving` gives a callable taking the model's inputs and returning its outputs
 (``KeyedJaggedTensor`` and ``KeyedTensor`` included) in a process that imports only torch and
 embshard-kernels: no dynamo, no guards and no Python model code run per call. An id outside its
-table fails inside the package (FBGEMM's FATAL bounds check); the loaded model then names the
-feature, sample and id in a ``ValueError`` (the package records each feature's table rows), at
-no cost to calls that succeed. Compiling needs Inductor's C++ compiler; loading does not.
+table fails inside the package (FBGEMM's FATAL bounds check); the loaded model then raises the
+input check's ``IdOutOfRangeError`` (a ``ValueError``) naming feature, sample and id (the
+package records each feature's table rows), at no cost to calls that succeed. Compiling needs Inductor's C++ compiler; loading does not.
 
 A process without Python serves a package through libtorch's ``AOTIModelPackageLoader`` once it
 has loaded FBGEMM's operator libraries (:func:`fbgemm_libraries`); ``cpp/serve_package.cpp``,
@@ -33,6 +33,7 @@ from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollec
 from embshard_kernels.quantize import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from embshard_types.sharded_module import ShardedModule
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.kjt_checks import KJTChecker
 
 __all__ = ["ServedModel", "fbgemm_libraries", "load_for_serving", "package_for_serving"]
 
@@ -134,10 +135,10 @@ class ServedModel:
         try:
             outputs = self._loader.boxed_run([x for x in leaves if isinstance(x, Tensor)])
         except RuntimeError as e:
-            problem = _bad_id(inputs, self.feature_rows)
-            if problem is None:
+            error = _id_error(inputs, self.feature_rows)
+            if error is None:
                 raise
-            raise ValueError(f"served model: {problem}; hash or clamp ids before serving") from e
+            raise error from e
         return pytree.tree_unflatten(outputs, self._out_spec)
 
 
@@ -216,22 +217,15 @@ def _feature_rows(model: nn.Module) -> dict[str, int]:
     return rows
 
 
-def _bad_id(inputs: tuple[Any, ...], feature_rows: Mapping[str, int]) -> str | None:
-    """The first id of the inputs' KJTs outside its feature's table rows, described."""
+def _id_error(inputs: tuple[Any, ...], feature_rows: Mapping[str, int]) -> Exception | None:
+    """The input check's error for the inputs' KJTs against the packaged features, if any."""
     for kjt in pytree.tree_leaves(inputs, is_leaf=lambda x: isinstance(x, KeyedJaggedTensor)):
         if not isinstance(kjt, KeyedJaggedTensor):
             continue
-        for key, jagged in kjt.to_dict().items():
-            rows = feature_rows.get(key)
-            ids = jagged.values()
-            if rows is None or ids.numel() == 0:
-                continue
-            bad = torch.nonzero((ids < 0) | (ids >= rows))
-            if bad.numel():
-                i = int(bad[0])
-                sample = int(torch.searchsorted(jagged.offsets()[1:], torch.tensor(i), right=True))
-                return (
-                    f"feature {key!r}, sample {sample}: id {int(ids[i])} is outside its table's "
-                    f"rows [0, {rows})"
-                )
+        keys: list[str] = kjt.keys()  # a KJT's key list, not a mapping's view
+        features = [k for k in keys if k in feature_rows]
+        checker = KJTChecker(features, [feature_rows[f] for f in features], weighted=False)
+        problem = checker.check(kjt)
+        if problem is not None:
+            return problem.error(features)
     return None

@@ -8,11 +8,8 @@ the plain loop behind the same interface (only the next batch's copy overlapped)
 
 from embshard_dist.train_pipeline.base import TrainPipelineBase
 from embshard_dist.train_pipeline.batch import Pipelineable, move_batch
-from embshard_dist.train_pipeline.sparse_dist import (
-    EvalPipelineSparseDist,
-    TrainPipeline,
-    TrainPipelineSparseDist,
-)
+from embshard_dist.train_pipeline.interface import TrainPipeline
+from embshard_dist.train_pipeline.sparse_dist import EvalPipelineSparseDist, TrainPipelineSparseDist
 from embshard_dist.train_pipeline.sparse_inputs import SparseOf, find_sharded_modules
 
 __all__ = [

@@ -17,9 +17,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from embshard_dist.train_pipeline.batch import move_batch
-from embshard_dist.train_pipeline.sparse_dist import In, Out, TrainPipeline
-from embshard_dist.train_pipeline.streams import SideStreams, hand_over, on_stream
+from embshard_dist.train_pipeline.interface import (
+    In,
+    Out,
+    TrainPipeline,
+    next_on_device,
+    total_loss,
+)
+from embshard_dist.train_pipeline.streams import SideStreams, hand_over
 
 __all__ = ["TrainPipelineBase"]
 
@@ -69,7 +74,7 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
             self._optimizer.zero_grad()
         losses, output = self._model_fwd(batch)
         if training:
-            (losses if losses.dim() == 0 else losses.sum()).backward()
+            total_loss(losses).backward()
             self._optimizer.step()
         return output
 
@@ -77,12 +82,8 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         """Take the next batch and start its copy to the device (nothing at the end)."""
         if self._exhausted:
             return
-        try:
-            batch = next(dataloader_iter)
-        except StopIteration:
+        moved = next_on_device(dataloader_iter, self._device, self._copy)
+        if moved is None:
             self._exhausted = True
-            return
-        with on_stream(self._copy):
-            self._batches.append(
-                move_batch(batch, self._device, non_blocking=self._copy is not None)
-            )
+        else:
+            self._batches.append(moved)

@@ -11,18 +11,23 @@ and the input dist run on side streams; on the CPU the collectives are simply in
 
 from __future__ import annotations
 
-import abc
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from embshard_dist.dmp.accumulation import check_accumulate_grad_batches, no_sync
-from embshard_dist.train_pipeline.batch import move_batch
+from embshard_dist.train_pipeline.interface import (
+    In,
+    Out,
+    TrainPipeline,
+    next_on_device,
+    total_loss,
+)
 from embshard_dist.train_pipeline.pipelined_forward import (
     PreparedInput,
     serving,
@@ -36,18 +41,7 @@ from embshard_dist.train_pipeline.sparse_inputs import (
 )
 from embshard_dist.train_pipeline.streams import SideStreams, hand_over, on_stream
 
-__all__ = ["EvalPipelineSparseDist", "TrainPipeline", "TrainPipelineSparseDist"]
-
-In = TypeVar("In")
-Out = TypeVar("Out")
-
-
-class TrainPipeline(abc.ABC, Generic[In, Out]):
-    """Runs training steps over the batches of an iterator."""
-
-    @abc.abstractmethod
-    def progress(self, dataloader_iter: Iterator[In]) -> Out:
-        """Run one step; ``StopIteration`` once every batch has been run."""
+__all__ = ["EvalPipelineSparseDist", "TrainPipelineSparseDist"]
 
 
 @dataclass
@@ -179,7 +173,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             if following is not None:
                 self._start_values(following)
             if training:
-                loss = losses if losses.dim() == 0 else losses.sum()
+                loss = total_loss(losses)
                 (loss / self._accumulate if self._accumulate > 1 else loss).backward()
         if training and steps:
             self._optimizer.step()
@@ -226,14 +220,10 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         """Take the next batch and start its copy to the device; ``False`` at the end."""
         if self._exhausted:
             return False
-        try:
-            batch = next(dataloader_iter)
-        except StopIteration:
+        moved = next_on_device(dataloader_iter, self._device, self._streams.copy)
+        if moved is None:
             self._exhausted = True
             return False
-        copy = self._streams.copy
-        with on_stream(copy):
-            moved = move_batch(batch, self._device, non_blocking=copy is not None)
         self._batches.append(_InFlight(moved))
         return True
 
