@@ -2,7 +2,8 @@
 
 Packaged once (dense features and a weighted KJT in, one logit per sample out), the package is
 loaded in a fresh process that imports only torch and embshard_kernels and gives the eager
-model's outputs on the example batch and on batches of other sizes; a bad id is named by
+model's outputs on the example batch and on batches of other sizes; its weights are views of one
+mapping of the package file; a model without weights packages too; a bad id is named by
 feature and sample; wrong calls fail before any compiling. A quantized sequence collection
 (``dict`` of ``JaggedTensor`` out, sizes known only from the ids) packages too. A C++ process
 (``embshard_kernels/cpp/serve_package.cpp``, compiled here against the installed libtorch) serves the package
@@ -142,6 +143,31 @@ def test_package_serves_the_eager_outputs_in_a_fresh_process(
     for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_the_weights_are_views_of_the_package_file(packaged: tuple[nn.Module, Path]) -> None:
+    _, path = packaged
+    constants = load_for_serving(path).constants
+    assert constants, "the package keeps its weights beside its compiled code"
+    storages = {
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in constants.values()
+    }
+    # one mapping of the whole file, every weight a view into it: nothing was read and copied
+    assert len(storages) == 1
+    assert next(iter(storages))[1] == path.stat().st_size
+
+
+class _Stateless(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.sum(1) * 2
+
+
+def test_a_model_without_weights_packages(tmp_path: Path) -> None:
+    x = torch.rand(6, 3)
+    served = load_for_serving(package_for_serving(_Stateless().eval(), (x,), tmp_path / "m.pt2"))
+    assert dict(served.constants) == {}
+    y = torch.rand(9, 3)
+    torch.testing.assert_close(served(y), _Stateless()(y))
 
 
 def _run(command: list[str]) -> str:

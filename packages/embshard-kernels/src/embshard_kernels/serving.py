@@ -6,15 +6,18 @@ AOTInductor (Inductor's freezing: parameters and buffers become constants of the
 into a ``.pt2`` package, and checks the loaded package against the eager model on the example.
 :func:`load_for_serving` gives a callable taking the model's inputs and returning its outputs
 (``KeyedJaggedTensor`` and ``KeyedTensor`` included) in a process that imports only torch and
-embshard-kernels: no dynamo, no guards and no Python model code run per call. An id outside its
-table fails inside the package (FBGEMM's FATAL bounds check); the loaded model then raises the
-input check's ``IdOutOfRangeError`` (a ``ValueError``) naming feature, sample and id (the
-package records each feature's table rows), at no cost to calls that succeed. Compiling needs Inductor's C++ compiler; loading does not.
+embshard-kernels: no dynamo, no guards and no Python model code run per call. The weights are
+records of the package file, mapped when it loads (``serving_constants``): held once, read as
+they are touched. An id outside its table fails inside the package (FBGEMM's FATAL bounds
+check); the loaded model then raises the input check's ``IdOutOfRangeError`` (a ``ValueError``)
+naming feature, sample and id (the package records each feature's table rows), at no cost to
+calls that succeed. Compiling needs Inductor's C++ compiler; loading does not.
 
 A process without Python serves a package through libtorch's ``AOTIModelPackageLoader`` once it
-has loaded FBGEMM's operator libraries (:func:`fbgemm_libraries`); ``cpp/serve_package.cpp``,
-installed with this package, is such a server. Its inputs are the model's inputs flattened (dense
-features, then each KJT's values, weights if any, and lengths).
+has loaded FBGEMM's operator libraries (:func:`fbgemm_libraries`) and given the loader the
+package's constants (``serving_constants.MANIFEST``); ``cpp/serve_package.cpp``, installed with
+this package, is such a server. Its inputs are the model's inputs flattened (dense features,
+then each KJT's values, weights if any, and lengths).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,6 +35,7 @@ from torch.export import Dim, ShapesCollection
 
 from embshard_kernels.collections import EmbeddingBagCollection, EmbeddingCollection
 from embshard_kernels.quantize import QuantEmbeddingBagCollection, QuantEmbeddingCollection
+from embshard_kernels.serving_constants import map_constants, repack_constants
 from embshard_types.sharded_module import ShardedModule
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 from embshard_types.sparse.kjt_checks import KJTChecker
@@ -94,19 +99,23 @@ def package_for_serving(
         "freezing": True,
         "aot_inductor.metadata": {_FEATURE_ROWS: json.dumps(_feature_rows(model))},
     }
-    if program.state_dict or program.constants:  # an empty blob fails to map when loaded
-        # Weights beside the compiled code, not inside it: a loaded package then holds them
-        # once instead of in both the mapped library and a copy.
+    if program.state_dict or program.constants:
+        # Weights beside the compiled code, one record each, mapped from the file when loaded
+        # (serving_constants): held once, never read whole before being copied.
         configs["aot_inductor.package_constants_in_so"] = False
-        configs["aot_inductor.package_constants_on_disk_format"] = "binary_blob"
-    torch._inductor.aoti_compile_and_package(
-        program, package_path=str(path), inductor_configs=configs
-    )
+        configs["aot_inductor.package_constants_on_disk_format"] = "pickle_weights"
+    compiled = path.with_name(f".{path.stem}.compiled.pt2")
     try:
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(compiled), inductor_configs=configs
+        )
+        repack_constants(compiled, path)
         _check_same(load_for_serving(path)(*example_inputs), expected, path)
     except Exception:
         path.unlink(missing_ok=True)  # never leave a package that failed its check
         raise
+    finally:
+        compiled.unlink(missing_ok=True)
     return path
 
 
@@ -117,13 +126,25 @@ class ServedModel:
     not); anything else raises ``ValueError`` before the package runs.
     """
 
-    def __init__(self, runner: Any, feature_rows: Mapping[str, int]) -> None:
+    def __init__(
+        self,
+        runner: Any,
+        feature_rows: Mapping[str, int],
+        constants: Mapping[str, Tensor] | None = None,
+    ) -> None:
         self._loader = runner.loader
+        self._constants = dict(constants or {})  # user-managed: the package's code reads them
         in_spec, out_spec = self._loader.get_call_spec()
         self._in_spec = pytree.treespec_loads(in_spec)
         self._out_spec = pytree.treespec_loads(out_spec)
         self.feature_rows = dict(feature_rows)
         """Each feature's table rows, as the packaged model's collections had them."""
+
+    @property
+    def constants(self) -> Mapping[str, Tensor]:
+        """The package's weights as its compiled code names them, views of one mapping of the
+        package file (empty for a package that keeps them inside its library)."""
+        return MappingProxyType(self._constants)
 
     def __call__(self, *inputs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((inputs, {}))
@@ -152,8 +173,11 @@ def load_for_serving(path: str | Path) -> ServedModel:
     if not path.is_file():
         raise FileNotFoundError(f"load_for_serving: no package at {path}")
     runner = torch._inductor.aoti_load_package(str(path))
+    constants = map_constants(path)
+    if constants is not None:
+        runner.loader.load_constants(constants, False, True, True)  # full update, user-managed
     rows = json.loads(runner.get_metadata().get(_FEATURE_ROWS, "{}"))
-    return ServedModel(runner, {str(k): int(v) for k, v in rows.items()})
+    return ServedModel(runner, {str(k): int(v) for k, v in rows.items()}, constants)
 
 
 def fbgemm_libraries() -> list[Path]:
