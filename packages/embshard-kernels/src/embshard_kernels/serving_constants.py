@@ -57,7 +57,10 @@ def repack_constants(source: Path, target: Path) -> None:
         for name, (record, sizes, strides, offset) in config.items():
             if record not in written:
                 tensor = torch.load(io.BytesIO(reader.read_bytes(_PICKLED + record)))
-                writer.write_bytes(_RECORDS + record, bytes(tensor.untyped_storage().cpu()))
+                storage = (
+                    tensor.untyped_storage().cpu()
+                )  # written from its memory, as torch.save does
+                writer.archive_file.write_record(_RECORDS + record, storage, storage.nbytes())
                 written[record] = tensor
             tensor = written[record]
             fields = (
