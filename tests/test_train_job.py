@@ -29,6 +29,7 @@ from embshard_dist.cli.progress import Progress
 from embshard_dist.data.criteo_convert import preprocess_tsv
 from embshard_dist.data.criteo_format import CriteoTransform
 from embshard_dist.data.criteo_synth import write_synthetic_criteo
+from embshard_dist.train_pipeline import EvalPipelineSparseDist
 
 SMALL = ["--nproc", "2", "--device", "cpu", "--batch-size", "64", "--rows", "2000"]
 
@@ -76,7 +77,10 @@ def _evaluate_between_steps() -> dict[str, Any]:
     dmp = make_dmp("rowwise_adagrad", "mixed")
     train(dmp, range(2))
     before = full_state(dmp, "rowwise_adagrad")
-    values = evaluate(dmp, ClickForward(dmp), batches)
+    forward = ClickForward(dmp)
+    values = evaluate(dmp, forward, batches)
+    pipeline = EvalPipelineSparseDist(dmp, dmp.optimizer(), "cpu", custom_model_fwd=forward)
+    pipelined = [evaluate(dmp, forward, batches, pipeline) for _ in range(2)]  # reused
     unchanged = same(before, full_state(dmp, "rowwise_adagrad"))
     training = dmp.training
     train(dmp, range(2, 4))
@@ -85,6 +89,7 @@ def _evaluate_between_steps() -> dict[str, Any]:
     return {
         "changed": unchanged,
         "values": values,
+        "pipelined": pipelined,
         "training": training,
         "then_trains_alike": same(full_state(dmp, "rowwise_adagrad"), full_state(straight, "rowwise_adagrad")),
     }  # fmt: skip
@@ -97,6 +102,8 @@ def test_evaluation_changes_no_weight_and_no_optimizer_state() -> None:
         assert r["training"]  # train mode is back after evaluating
         assert r["then_trains_alike"] == []  # the next steps are those of a run without eval
     assert results[0]["values"] == results[1]["values"]  # reduced across ranks
+    for r in results:  # the eval pipeline gives the plain forwards' metrics, each time
+        assert r["pipelined"] == [r["values"], r["values"]]
     assert set(results[0]["values"]) == {"ne", "auc", "calibration", "accuracy", "loss"}
 
 

@@ -4,11 +4,13 @@
 computes them reduced across ranks (a collective: every rank calls it together).
 :func:`evaluate` runs the model on held-out batches without updating it: ``model.eval()``, no
 autograd, no backward, no optimizer step; the model's training mode is restored afterwards.
+Given an ``EvalPipelineSparseDist``, the next batch's input dist is in flight while a batch
+runs forward (``embshard train --pipeline sparse-dist``); the metrics are the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 
 from embshard_dist.metrics import AccuracyMetric, AUCMetric, CalibrationMetric, NEMetric
 from embshard_dist.metrics.reduce import sum_over_ranks
+from embshard_dist.train_pipeline import EvalPipelineSparseDist
 
 __all__ = ["ClickMetrics", "evaluate"]
 
@@ -60,19 +63,40 @@ class ClickMetrics:
         return out
 
 
-def evaluate(model: nn.Module, forward: Forward, batches: Iterable[Any]) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    forward: Forward,
+    batches: Iterable[Any],
+    pipeline: EvalPipelineSparseDist[Any, Any] | None = None,
+) -> dict[str, float]:
     """The click metrics of ``model`` on ``batches``, reduced across ranks; ``model`` unchanged.
 
     Every rank must pass the same number of batches (the model's collectives run per batch).
+    ``pipeline`` (built over ``model`` with ``custom_model_fwd=forward``) runs the forwards
+    with the next batch's input dist in flight; ``None``: one plain forward after another.
     """
     metrics = ClickMetrics()
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for batch in batches:
-                _, (_, logits, labels) = forward(batch)
+            for _, logits, labels in _outputs(forward, batches, pipeline):
                 metrics.update(logits, labels)
     finally:
         model.train(was_training)
     return metrics.compute()
+
+
+def _outputs(
+    forward: Forward, batches: Iterable[Any], pipeline: EvalPipelineSparseDist[Any, Any] | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(loss, logits, labels)`` of each batch, in order."""
+    if pipeline is None:
+        yield from (forward(batch)[1] for batch in batches)
+        return
+    iterator = iter(batches)
+    while True:
+        try:
+            yield pipeline.progress(iterator)
+        except StopIteration:
+            return

@@ -199,7 +199,7 @@ def _train(
     from embshard_dist.cli.progress import Progress
     from embshard_dist.comm.collectives import all_gather_ints, all_reduce
     from embshard_dist.comm.timeouts import waited_seconds
-    from embshard_dist.train_pipeline import move_batch
+    from embshard_dist.train_pipeline import EvalPipelineSparseDist, move_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     forward = ClickForward(dmp)
@@ -209,6 +209,11 @@ def _train(
     batches = islice(
         data.train_batches(config.batch_size, rank, world, start), config.steps - start
     )
+    eval_pipeline = (
+        EvalPipelineSparseDist(dmp, dmp.optimizer(), device, custom_model_fwd=forward)
+        if config.pipeline == "sparse-dist"
+        else None
+    )
     scalars = ScalarWriter(config.tensorboard if rank == 0 else None)
     progress = Progress(config.steps, start, logger, bar=None if rank == 0 else False)
     history, window_metrics = History(), ClickMetrics()
@@ -216,7 +221,7 @@ def _train(
 
     def run_eval(step: int) -> None:
         held_out = data.held_out_batches(config.batch_size, rank, world, config.eval_batches)
-        values = evaluate(dmp, forward, (move_batch(b, device) for b in held_out))
+        values = evaluate(dmp, forward, (move_batch(b, device) for b in held_out), eval_pipeline)
         history.eval.append((step, values))
         scalars.add("eval", values, step)
         if rank == 0:

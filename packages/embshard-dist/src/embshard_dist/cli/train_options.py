@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PIPELINES,
         default="sparse-dist",
         help="sparse-dist: TrainPipelineSparseDist (the next batch's input dist overlaps this "
-        "step); none: the plain loop (same results)",
+        "step) and EvalPipelineSparseDist for evaluations; none: the plain loop (same results)",
     )
     p.add_argument(
         "--run-dir",
