@@ -3,12 +3,13 @@
 Packaged once (dense features and a weighted KJT in, one logit per sample out), the package is
 loaded in a fresh process that imports only torch and embshard_kernels and gives the eager
 model's outputs on the example batch and on batches of other sizes; its weights are views of one
-mapping of the package file; a model without weights packages too; a bad id is named by
-feature and sample; wrong calls fail before any compiling. A quantized sequence collection
+mapping of the package file; a model without weights packages too; a bad id is named by feature
+and sample; wrong calls fail before any compiling; a package is replaced only by one that passed
+its check, and a process serving the old one keeps serving it. A quantized sequence collection
 (``dict`` of ``JaggedTensor`` out, sizes known only from the ids) packages too. A C++ process
-(``embshard_kernels/cpp/serve_package.cpp``, compiled here against the installed libtorch) serves the package
-with the eager model's outputs, with no Python in it. On CUDA (``nox -s gpu_tests``) a package of
-the ranker on the GPU serves the eager GPU model's outputs.
+(``embshard_kernels/cpp/serve_package.cpp``, compiled here against the installed libtorch)
+serves the package with the eager model's outputs, with no Python in it. On CUDA (``nox -s
+gpu_tests``) a package of the ranker on the GPU serves the eager GPU model's outputs.
 """
 
 from __future__ import annotations
@@ -274,10 +275,24 @@ class _Noisy(nn.Module):
         return x + torch.rand_like(x)  # never the same twice: the package cannot agree
 
 
-def test_a_package_that_disagrees_with_its_model_is_removed(tmp_path: Path) -> None:
+def _linear(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2).eval()
+
+
+@torch.no_grad()
+def test_a_package_is_replaced_only_by_one_that_passed_its_check(tmp_path: Path) -> None:
+    path, x = tmp_path / "m.pt2", torch.rand(5, 3)
+    first, second = _linear(0), _linear(1)
+    serving_first = load_for_serving(package_for_serving(first, (x,), path))
+    package_for_serving(second, (x,), path)
+    # the running server still has the first package's weights mapped; a new load the second's
+    torch.testing.assert_close(serving_first(x), first(x), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(load_for_serving(path)(x), second(x), atol=ATOL, rtol=RTOL)
     with pytest.raises(RuntimeError, match=r"output #0 of the package .* differs"):
-        package_for_serving(_Noisy().eval(), (torch.zeros(4, 3),), tmp_path / "noisy.pt2")
-    assert not (tmp_path / "noisy.pt2").exists()
+        package_for_serving(_Noisy().eval(), (x,), path)
+    torch.testing.assert_close(load_for_serving(path)(x), second(x), atol=ATOL, rtol=RTOL)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.pt2"]  # no temporary file left
 
 
 def test_wrong_calls_fail_before_compiling(tmp_path: Path) -> None:

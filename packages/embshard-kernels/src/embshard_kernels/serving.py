@@ -23,6 +23,7 @@ then each KJT's values, weights if any, and lengths).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -75,7 +76,10 @@ def package_for_serving(
         ValueError: the model is in training mode or sharded, or an example tensor is too small
             to be dynamic.
         RuntimeError: the package's outputs differ from the eager model's (beyond ``ATOL`` /
-            ``RTOL``); the package is removed.
+            ``RTOL``); ``path`` is left as it was.
+
+    A package already at ``path`` is replaced only once the new one passed its check, by
+    renaming: processes serving the old one keep serving it.
     """
     if model.training:
         raise ValueError(
@@ -104,18 +108,22 @@ def package_for_serving(
         # (serving_constants): held once, never read whole before being copied.
         configs["aot_inductor.package_constants_in_so"] = False
         configs["aot_inductor.package_constants_on_disk_format"] = "pickle_weights"
+        # oneDNN-prepacked weights are opaque tensors with no storage to write as a record
+        configs["cpp.weight_prepack"] = False
     compiled = path.with_name(f".{path.stem}.compiled.pt2")
+    packed = path.with_name(f".{path.stem}.packed.pt2")
     try:
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(compiled), inductor_configs=configs
         )
-        repack_constants(compiled, path)
-        _check_same(load_for_serving(path)(*example_inputs), expected, path)
-    except Exception:
-        path.unlink(missing_ok=True)  # never leave a package that failed its check
-        raise
+        repack_constants(compiled, packed)
+        _check_same(load_for_serving(packed)(*example_inputs), expected, path)
+        # A new file renamed over the old one, never the old one rewritten: a server that has
+        # the old package's weights mapped keeps them.
+        os.replace(packed, path)
     finally:
         compiled.unlink(missing_ok=True)
+        packed.unlink(missing_ok=True)
     return path
 
 
