@@ -14,6 +14,8 @@ comma-separated). :func:`map_constants` maps the package file once (a private ma
 writes to: pages come from the page cache as they are touched, nothing is copied) and views
 every constant in it; the runner is given them as user-managed constants, so the caller keeps the
 returned tensors alive as long as the runner. ``cpp/serve_package.cpp`` reads the same manifest.
+A package is replaced by renaming a new file over it (``package_for_serving`` does): rewriting
+the file in place would change the weights under a process serving it.
 """
 
 from __future__ import annotations
