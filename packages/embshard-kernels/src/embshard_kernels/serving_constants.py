@@ -55,21 +55,20 @@ def repack_constants(source: Path, target: Path) -> None:
         if not configs:
             return  # no constants beside the code: the loader needs none from us
         config: dict[str, list] = json.loads(reader.read_string(configs[0]))
-        lines, written = [], {}
+        lines, kinds = [], {}  # kinds: each written record's dtype and device type
         for name, (record, sizes, strides, offset) in config.items():
-            if record not in written:
+            if record not in kinds:
                 tensor = torch.load(io.BytesIO(reader.read_bytes(_PICKLED + record)))
-                storage = (
-                    tensor.untyped_storage().cpu()
-                )  # written from its memory, as torch.save does
+                # written from the storage's memory, as torch.save does
+                storage = tensor.untyped_storage().cpu()
                 writer.archive_file.write_record(_RECORDS + record, storage, storage.nbytes())
-                written[record] = tensor
-            tensor = written[record]
+                kinds[record] = (str(tensor.dtype).removeprefix("torch."), tensor.device.type)
+            dtype, device_type = kinds[record]
             fields = (
                 name,
                 record,
-                str(tensor.dtype).removeprefix("torch."),
-                tensor.device.type,
+                dtype,
+                device_type,
                 ",".join(map(str, sizes)),
                 ",".join(map(str, strides)),
                 str(offset),
@@ -78,36 +77,29 @@ def repack_constants(source: Path, target: Path) -> None:
         writer.write_string(MANIFEST, "".join(f"{line}\n" for line in lines))
 
 
-def map_constants(path: Path, device: torch.device | None = None) -> dict[str, Tensor] | None:
-    """Every constant of the package ``path`` viewed in one mapping of the file (moved to
-    ``device`` where its record says it lives on an accelerator), or ``None`` for a package
-    without a :data:`MANIFEST` (its loader loads the constants itself)."""
+def map_constants(path: Path) -> dict[str, Tensor] | None:
+    """Every constant of the package ``path`` viewed in one mapping of the file (copied to its
+    accelerator where its record says it lives on one), or ``None`` for a package without a
+    :data:`MANIFEST` (its loader loads the constants itself)."""
     with PT2ArchiveReader(str(path)) as reader:
         if MANIFEST not in reader.get_file_names():
             return None
-        lines = reader.read_string(MANIFEST).splitlines()
-        archive = reader.archive_file
-        starts = {}
-        for line in lines:
-            record = _RECORDS + line.split("\t")[1]
-            starts[record] = archive.get_record_offset(record)  # type: ignore[attr-defined]
-    size = os.path.getsize(path)
-    storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(str(path), False, size))
-    constants = {}
-    for line in lines:
-        name, record, dtype_name, device_type, sizes, strides, offset = line.split("\t")
-        dtype = getattr(torch, dtype_name)
-        start = starts[_RECORDS + record]
-        item = torch.empty((), dtype=dtype).element_size()
-        if start % item:
-            raise ValueError(f"map_constants: {name} in {path} is not aligned to its dtype")
-        view = torch.empty(0, dtype=dtype).set_(
-            storage,
-            start // item + int(offset),
-            [int(s) for s in sizes.split(",") if s],
-            [int(s) for s in strides.split(",") if s],
-        )
-        if device_type != "cpu":
-            view = view.to(device or torch.device(device_type))
-        constants[name] = view
+        size = os.path.getsize(path)
+        file = torch.UntypedStorage.from_file(str(path), False, size)
+        storage = cast(torch.UntypedStorage, file)
+        offset_of = reader.archive_file.get_record_offset  # type: ignore[attr-defined]
+        constants = {}
+        for line in reader.read_string(MANIFEST).splitlines():
+            name, record, dtype_name, device_type, sizes, strides, offset = line.split("\t")
+            dtype = getattr(torch, dtype_name)
+            start = offset_of(_RECORDS + record)
+            if start % dtype.itemsize:
+                raise ValueError(f"map_constants: {name} in {path} is not aligned to its dtype")
+            view = torch.empty(0, dtype=dtype).set_(
+                storage,
+                start // dtype.itemsize + int(offset),
+                [int(s) for s in sizes.split(",") if s],
+                [int(s) for s in strides.split(",") if s],
+            )
+            constants[name] = view if device_type == "cpu" else view.to(device_type)
     return constants
