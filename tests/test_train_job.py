@@ -131,6 +131,14 @@ def test_the_pipeline_gives_the_plain_loops_losses(tmp_path: Path) -> None:
     assert piped["pipeline"] == "sparse-dist" and plain["pipeline"] == "none"
     assert piped["loss_curve"] == plain["loss_curve"]  # bit for bit, every step
     assert piped["history"]["eval"] == plain["history"]["eval"]
+    # Semi-synchronous from batch 4: batch 5 is the first looked up before the previous
+    # backward, so the losses of steps 0-4 are the plain loop's and the later ones are not.
+    semi = _train(
+        tmp_path, "semi", *argv, "--pipeline", "semi-sync", "--semi-sync-start-batch", "4"
+    )
+    assert semi["pipeline"] == "semi-sync"
+    assert semi["loss_curve"][:5] == plain["loss_curve"][:5]
+    assert semi["loss_curve"][5:] != plain["loss_curve"][5:]
 
 
 def test_a_table_spec_file_sets_the_tables(tmp_path: Path) -> None:
@@ -166,6 +174,11 @@ def test_a_table_spec_with_an_unknown_feature_is_refused(
         (["--tables", "27"], "1 to 26 tables"),
         (["--tables", "nothing.json"], "no such file exists"),
         (["--pipeline", "semi"], "invalid choice: 'semi'"),
+        (
+            ["--pipeline", "semi-sync", "--accumulate-grad-batches", "2"],
+            "--accumulate-grad-batches needs --pipeline sparse-dist or none",
+        ),
+        (["--semi-sync-start-batch", "3"], "applies to --pipeline semi-sync only"),
     ],
 )
 def test_bad_job_options_exit_2(

@@ -22,16 +22,20 @@ from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.models import DLRM, DLRMTrain
 from embshard_dist.train_pipeline import (
     TrainPipelineBase,
+    TrainPipelineSemiSync,
     TrainPipelineSparseDist,
     find_sharded_modules,
     move_batch,
 )
+from embshard_dist.train_pipeline.semi_sync import detach_embeddings
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig
 from embshard_types.parameter_sharding import ParameterSharding
 from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
+from embshard_types.sparse.jagged import JaggedTensor
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
+from embshard_types.sparse.keyed_tensor import KeyedTensor
 from embshard_types.vocab import ShardingType
 
 TABLES = [
@@ -352,3 +356,81 @@ def test_base_pipeline_is_the_plain_loop_for_any_model() -> None:
     assert len(run(pipeline, iter(batches(2)))) == 2  # a second epoch
     with pytest.raises(ValueError, match="holds no sharded module"):
         TrainPipelineSparseDist(model, optimizer, "cpu")
+
+
+def test_semi_sync_looks_up_the_next_batch_before_this_backward() -> None:
+    """From ``start_batch`` on, batch ``i+1``'s lookup runs between batch ``i``'s forward and
+    its optimizer step; before it, after the step."""
+    data = batches(4)
+    model = sharded()
+    module = model.sharded_modules["sparse"]
+    events: list[tuple[str, int]] = []
+    index = [b.sparse_features.values() for b in data]
+    dense = [b.dense_features for b in data]
+    lookup = module.compute_and_output_dist
+
+    def spy_lookup(ctx: Any, features: Any) -> Any:
+        events.append(("lookup", len([e for e in events if e[0] == "lookup"])))
+        return lookup(ctx, features)
+
+    class Seen(list[Tensor]):
+        def append(self, value: Tensor) -> None:
+            events.append(("forward", [d is value for d in dense].index(True)))
+            super().append(value)
+
+    module.compute_and_output_dist = spy_lookup  # type: ignore[method-assign]
+    model.module.seen = Seen()
+    optimizer = model.optimizer()
+    step = optimizer.step
+
+    def spy_step(*args: Any, **kwargs: Any) -> Any:
+        events.append(("step", 0))
+        return step(*args, **kwargs)
+
+    optimizer.step = spy_step  # type: ignore[method-assign]
+    pipeline = TrainPipelineSemiSync(model, optimizer, "cpu", start_batch=1)
+    outputs = run(pipeline, iter(data))
+    assert len(outputs) == 4 and len(index) == 4
+    assert events == [
+        ("lookup", 0),
+        ("forward", 0),
+        ("step", 0),
+        ("lookup", 1),  # batch 0 is synchronous: batch 1 is looked up after its step
+        ("forward", 1),
+        ("lookup", 2),  # semi-synchronous: before batch 1's backward and step
+        ("step", 0),
+        ("forward", 2),
+        ("lookup", 3),
+        ("step", 0),
+        ("forward", 3),
+        ("step", 0),
+    ]
+    assert "forward" not in module.__dict__
+
+
+def test_semi_sync_refusals() -> None:
+    model = sharded()
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"start_batch must be an int >= 0"):
+            TrainPipelineSemiSync(model, model.optimizer(), "cpu", start_batch=bad)  # type: ignore[arg-type]
+    table = next(p for p in model.sharded_modules["sparse"].parameters() if p.requires_grad)
+    stepping_tables = torch.optim.SGD([table], lr=0.1)
+    with pytest.raises(ValueError, match=r"steps parameters of the sharded modules \['sparse'\]"):
+        TrainPipelineSemiSync(model, stepping_tables, "cpu", strict=True)
+    TrainPipelineSemiSync(model, stepping_tables, "cpu")  # not strict: a warning only
+    with pytest.raises(TypeError, match=r"'sparse' returned a list.*TrainPipelineSparseDist"):
+        detach_embeddings([torch.zeros(1)], "sparse")
+
+
+def test_detach_embeddings_of_every_output_type() -> None:
+    source = torch.ones(2, 3, requires_grad=True)
+    values = source * 2
+    keyed, pairs = detach_embeddings(KeyedTensor(["a", "b"], [1, 2], values))
+    assert keyed.keys() == ["a", "b"] and keyed.values().is_leaf
+    assert keyed.values().requires_grad and pairs == [(values, keyed.values())]
+    jagged = {"a": JaggedTensor(values.view(-1), lengths=torch.tensor([4, 2]))}
+    out, pairs = detach_embeddings(jagged)
+    assert out["a"].values().is_leaf and torch.equal(out["a"].lengths(), torch.tensor([4, 2]))
+    assert pairs[0][0] is jagged["a"].values()
+    plain, pairs = detach_embeddings(values.detach())
+    assert pairs == [] and not plain.requires_grad  # nothing to backpropagate (no_grad)

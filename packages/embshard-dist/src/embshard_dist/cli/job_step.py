@@ -7,6 +7,8 @@ plain loop ``zero_grad; loss = forward(batch); backward; step``. Both expose
 ``--accumulate-grad-batches K`` makes both step once every ``K`` batches (the loss of each
 divided by ``K``, the first ``K - 1`` under ``no_sync``; see ``TrainPipelineSparseDist``); a
 ``progress`` call still runs one batch, so steps, ETA and throughput count batches.
+``--pipeline semi-sync`` runs :class:`~embshard_dist.train_pipeline.TrainPipelineSemiSync`
+(one step stale from its start batch on; one step per batch).
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from torch import nn
 
 from embshard_dist.cli.job_data import JobBatch
 from embshard_dist.dmp.accumulation import check_accumulate_grad_batches, no_sync
-from embshard_dist.train_pipeline import TrainPipelineSparseDist, move_batch
+from embshard_dist.train_pipeline import TrainPipelineSemiSync, TrainPipelineSparseDist, move_batch
 
 __all__ = ["PIPELINES", "ClickForward", "PlainLoop", "Stepper", "make_stepper"]
 
-PIPELINES = ("sparse-dist", "none")
+PIPELINES = ("sparse-dist", "semi-sync", "none")
 
 StepOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(loss, logits, labels)``, detached."""
@@ -116,12 +118,15 @@ def make_stepper(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     accumulate_grad_batches: int = 1,
+    semi_sync_start_batch: int = 900,
 ) -> Stepper:
     """The stepper for ``--pipeline kind`` over ``model`` (a ``DistributedModelParallel``),
-    stepping the optimizer once every ``accumulate_grad_batches`` batches.
+    stepping the optimizer once every ``accumulate_grad_batches`` batches; ``semi-sync``
+    trains semi-synchronously from its ``semi_sync_start_batch``-th batch on.
 
     Raises:
-        ValueError: an unknown kind, or ``accumulate_grad_batches`` not an int >= 1.
+        ValueError: an unknown kind, ``accumulate_grad_batches`` not an int >= 1, or above 1
+            with ``semi-sync``.
     """
     if kind == "none":
         return PlainLoop(
@@ -138,5 +143,18 @@ def make_stepper(
             device,
             custom_model_fwd=forward,
             accumulate_grad_batches=accumulate_grad_batches,
+        )
+    if kind == "semi-sync":
+        if accumulate_grad_batches != 1:
+            raise ValueError(
+                "--pipeline semi-sync steps once per batch: accumulate_grad_batches must be 1, "
+                f"got {accumulate_grad_batches!r}"
+            )
+        return TrainPipelineSemiSync(
+            model,
+            optimizer,
+            device,
+            start_batch=semi_sync_start_batch,
+            custom_model_fwd=forward,
         )
     raise ValueError(f"--pipeline {kind!r}: expected one of {', '.join(PIPELINES)}")

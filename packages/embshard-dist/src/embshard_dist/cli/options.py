@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 
 __all__ = [
     "DefaultsHelpFormatter",
@@ -24,8 +25,12 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` that names every option's default.
 
     argparse's ``(default: X)``, unless the help already says ``(default ...)`` or ``default:``;
-    ``(required)`` after a required option instead.
+    ``(required)`` after a required option instead. Lines never break inside a hyphenated word
+    (``sparse-dist`` stays whole).
     """
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

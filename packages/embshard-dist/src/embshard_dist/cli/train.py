@@ -204,14 +204,21 @@ def _train(
     rank, world = dist.get_rank(), dist.get_world_size()
     forward = ClickForward(dmp)
     stepper = make_stepper(
-        config.pipeline, dmp, forward, dmp.optimizer(), device, config.accumulate_grad_batches
+        config.pipeline,
+        dmp,
+        forward,
+        dmp.optimizer(),
+        device,
+        config.accumulate_grad_batches,
+        # counted from step 0: a resumed run turns semi-synchronous at the same step
+        semi_sync_start_batch=max(0, config.semi_sync_start_batch - start),
     )
     batches = islice(
         data.train_batches(config.batch_size, rank, world, start), config.steps - start
     )
     eval_pipeline = (
         EvalPipelineSparseDist(dmp, dmp.optimizer(), device, custom_model_fwd=forward)
-        if config.pipeline == "sparse-dist"
+        if config.pipeline != "none"
         else None
     )
     scalars = ScalarWriter(config.tensorboard if rank == 0 else None)

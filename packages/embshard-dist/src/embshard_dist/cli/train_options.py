@@ -39,6 +39,7 @@ class TrainConfig:
     eval_every: int = 25
     eval_batches: int = 16
     pipeline: str = "sparse-dist"
+    semi_sync_start_batch: int = 900
     run_dir: str | None = None
     tensorboard: str | None = None
     sharding: str | dict[str, str] | None = None
@@ -126,7 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PIPELINES,
         default="sparse-dist",
         help="sparse-dist: TrainPipelineSparseDist (the next batch's input dist overlaps this "
-        "step) and EvalPipelineSparseDist for evaluations; none: the plain loop (same results)",
+        "step; results equal the plain loop's); semi-sync: TrainPipelineSemiSync (also the next "
+        "batch's lookup and output dist overlap this backward, one step stale: not equal to the "
+        "plain loop); none: the plain loop. Evaluations use EvalPipelineSparseDist unless none",
+    )
+    p.add_argument(
+        "--semi-sync-start-batch",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="--pipeline semi-sync: the first batch (counted from step 0, also on --resume) "
+        "trained semi-synchronously; the batches before it train synchronously (default: 900, "
+        "TorchRec's)",
     )
     p.add_argument(
         "--run-dir",
@@ -237,6 +249,16 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
                 f"--save-every {args.save_every} is not a multiple of --accumulate-grad-batches "
                 f"{k}: a checkpoint must fall between optimizer steps, not inside one"
             )
+        if args.pipeline == "semi-sync" and k > 1:
+            raise ValueError(
+                "--accumulate-grad-batches needs --pipeline sparse-dist or none: the "
+                "semi-synchronous pipeline steps once per batch (as TorchRec's)"
+            )
+        if args.semi_sync_start_batch is not None and args.pipeline != "semi-sync":
+            raise ValueError(
+                f"--semi-sync-start-batch applies to --pipeline semi-sync only, not "
+                f"--pipeline {args.pipeline}"
+            )
         if args.async_save and args.checkpoint_dir is None:
             raise ValueError("--async-save needs --checkpoint-dir and --save-every")
         plan_json = None
@@ -278,6 +300,9 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         pipeline=args.pipeline,
+        semi_sync_start_batch=(
+            900 if args.semi_sync_start_batch is None else args.semi_sync_start_batch
+        ),
         run_dir=args.run_dir,
         tensorboard=args.tensorboard,
         sharding=sharding,

@@ -3,12 +3,15 @@
 :class:`TrainPipelineSparseDist` overlaps the next batch's input distribution with the current
 batch's forward, backward and optimizer step, with results equal to the plain training loop's;
 :class:`EvalPipelineSparseDist` does the same for forwards only; :class:`TrainPipelineBase` is
-the plain loop behind the same interface (only the next batch's copy overlapped).
+the plain loop behind the same interface (only the next batch's copy overlapped);
+:class:`TrainPipelineSemiSync` also overlaps the next batch's lookup and output dist with this
+batch's backward, one step stale (not equal to the plain loop).
 """
 
 from embshard_dist.train_pipeline.base import TrainPipelineBase
 from embshard_dist.train_pipeline.batch import Pipelineable, move_batch
 from embshard_dist.train_pipeline.interface import TrainPipeline
+from embshard_dist.train_pipeline.semi_sync import TrainPipelineSemiSync
 from embshard_dist.train_pipeline.sparse_dist import EvalPipelineSparseDist, TrainPipelineSparseDist
 from embshard_dist.train_pipeline.sparse_inputs import SparseOf, find_sharded_modules
 
@@ -18,6 +21,7 @@ __all__ = [
     "SparseOf",
     "TrainPipeline",
     "TrainPipelineBase",
+    "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "find_sharded_modules",
     "move_batch",

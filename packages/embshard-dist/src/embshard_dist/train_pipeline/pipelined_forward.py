@@ -1,12 +1,13 @@
-"""A sharded module's input dist started ahead of its forward, and the forward that uses it.
+"""A sharded module's input dist started ahead of its forward, and the forwards that use it.
 
 :func:`start_input_dist` runs the module's ``input_dist`` for a batch (phase 1: the splits
 all-to-all, and for row-wise tables the bucketizing); :meth:`PreparedInput.start_values` waits
-for the splits and starts phase 2 (lengths, ids, weights). Within :func:`serving`, the module's
-``forward`` is a :class:`PipelinedForward`: it takes the prepared input instead of distributing
-the argument again, and refuses any argument but the very KeyedJaggedTensor that was
-distributed, so the pipeline can never look up another batch's ids. Outside it the module's own
-forward is back.
+for the splits and starts phase 2 (lengths, ids, weights); :meth:`PreparedInput.lookup` waits
+for phase 2 and starts the lookup and output dist. Within :func:`serving`, the module's
+``forward`` is a stand-in (:class:`PipelinedForward`, or the semi-synchronous pipeline's): it
+takes the prepared input instead of distributing the argument again, and refuses any argument
+but the very KeyedJaggedTensor that was distributed, so a pipeline can never look up another
+batch's ids. Outside it the module's own forward is back.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,7 +24,14 @@ from embshard_dist.train_pipeline.streams import hand_over, on_stream
 from embshard_types.awaitables import Awaitable, LazyAwaitable
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
-__all__ = ["PipelinedForward", "PreparedInput", "serving", "start_input_dist"]
+__all__ = [
+    "PipelinedForward",
+    "PreparedInput",
+    "StandIn",
+    "check_call",
+    "serving",
+    "start_input_dist",
+]
 
 _OWNER = "TrainPipelineSparseDist"
 
@@ -49,11 +57,34 @@ class PreparedInput:
             self.tensors = self.splits.wait()
         return self.tensors
 
+    def lookup(
+        self, module: AnyShardedModule, dist_stream: torch.cuda.Stream | None
+    ) -> LazyAwaitable[Any]:
+        """Wait for phase 2 (on ``dist_stream``, then handed over to the current stream) and
+        return ``module.compute_and_output_dist``: exactly what the module's own forward
+        returns, its output dist in flight until first used."""
+        with on_stream(dist_stream):
+            data = self.start_values().wait()
+        hand_over(data, dist_stream)
+        hand_over(self.context, dist_stream)
+        return module.compute_and_output_dist(self.context, data)
+
 
 def start_input_dist(module: AnyShardedModule, features: KeyedJaggedTensor) -> PreparedInput:
     """Start ``module``'s input dist of ``features`` with a fresh context."""
     context = module.create_context()
     return PreparedInput(features, context, module.input_dist(context, features))
+
+
+class StandIn(Protocol):
+    """What stands in for a sharded module's ``forward`` during one pipelined step."""
+
+    @property
+    def consumed(self) -> bool:
+        """Whether the model called the module in this step."""
+        ...
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any: ...
 
 
 class PipelinedForward:
@@ -85,29 +116,43 @@ class PipelinedForward:
 
     def __call__(self, *input: Any, **kwargs: Any) -> LazyAwaitable[Any]:
         prepared = self._prepared
-        if prepared is None:
-            raise RuntimeError(
-                f"{_OWNER}: the sharded module {self._path!r} was called twice in one forward; "
-                "the pipeline distributes one input per module per batch, so a model that "
-                "calls a sharded module more than once cannot be pipelined: leave it out of "
-                "sparse_of's mapping, or train with the plain loop"
-            )
-        if len(input) != 1 or kwargs or input[0] is not prepared.features:
-            raise ValueError(
-                f"{_OWNER}: the sharded module {self._path!r} was called with "
-                f"{_describe(input, kwargs)}, not with the KeyedJaggedTensor the pipeline read "
-                "from the batch and distributed ahead (batch.sparse_features, or sparse_of); it "
-                "can only prefetch an input the model passes on unchanged. Give sparse_of the "
-                "very KeyedJaggedTensor the model passes this module, leave the module out of "
-                "sparse_of's mapping (it then distributes its own input), or train with the "
-                "plain loop"
-            )
+        check_call(self._path, None if prepared is None else prepared.features, input, kwargs)
+        assert prepared is not None
         self._prepared = None
-        with on_stream(self._dist_stream):
-            data = prepared.start_values().wait()
-        hand_over(data, self._dist_stream)
-        hand_over(prepared.context, self._dist_stream)
-        return self._module.compute_and_output_dist(prepared.context, data)
+        return prepared.lookup(self._module, self._dist_stream)
+
+
+def check_call(
+    path: str,
+    features: KeyedJaggedTensor | None,
+    input: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    owner: str = _OWNER,
+) -> None:
+    """Refuse a call of the sharded module at ``path`` with anything but ``features``, the
+    KeyedJaggedTensor the pipeline prepared (``None``: already called in this step).
+
+    Raises:
+        RuntimeError: a second call in one forward.
+        ValueError: a call with other arguments.
+    """
+    if features is None:
+        raise RuntimeError(
+            f"{owner}: the sharded module {path!r} was called twice in one forward; "
+            "the pipeline distributes one input per module per batch, so a model that "
+            "calls a sharded module more than once cannot be pipelined: leave it out of "
+            "sparse_of's mapping, or train with the plain loop"
+        )
+    if len(input) != 1 or kwargs or input[0] is not features:
+        raise ValueError(
+            f"{owner}: the sharded module {path!r} was called with "
+            f"{_describe(input, kwargs)}, not with the KeyedJaggedTensor the pipeline read "
+            "from the batch and distributed ahead (batch.sparse_features, or sparse_of); it "
+            "can only prefetch an input the model passes on unchanged. Give sparse_of the "
+            "very KeyedJaggedTensor the model passes this module, leave the module out of "
+            "sparse_of's mapping (it then distributes its own input), or train with the "
+            "plain loop"
+        )
 
 
 def _describe(input: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
@@ -120,26 +165,22 @@ def _describe(input: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
 @contextmanager
 def serving(
     modules: Mapping[str, AnyShardedModule],
-    prepared: Mapping[str, PreparedInput],
-    dist_stream: torch.cuda.Stream | None,
+    stand_ins: Mapping[str, StandIn],
+    owner: str = _OWNER,
 ) -> Iterator[None]:
-    """Within the block, each module in ``prepared`` forwards its prepared input.
+    """Within the block, each module in ``stand_ins`` forwards through its stand-in.
 
     The modules' forwards are restored on leaving, also on an error.
 
     Raises:
-        RuntimeError: the block ended without calling a module whose input was prepared.
+        RuntimeError: the block ended without calling a module that has a stand-in.
     """
-    forwards = {
-        path: PipelinedForward(path, modules[path], one, dist_stream)
-        for path, one in prepared.items()
-    }
-    saved = {path: modules[path].__dict__.get("forward") for path in forwards}
+    saved = {path: modules[path].__dict__.get("forward") for path in stand_ins}
     try:
-        for path, forward in forwards.items():
+        for path, forward in stand_ins.items():
             modules[path].forward = forward  # type: ignore[method-assign]
         yield
-        missed = [path for path, forward in forwards.items() if not forward.consumed]
+        missed = [path for path, forward in stand_ins.items() if not forward.consumed]
     finally:
         for path, own in saved.items():
             if own is None:
@@ -148,7 +189,7 @@ def serving(
                 modules[path].forward = own  # type: ignore[method-assign]
     if missed:
         raise RuntimeError(
-            f"{_OWNER}: the model's forward did not call the sharded modules {missed}, whose "
+            f"{owner}: the model's forward did not call the sharded modules {missed}, whose "
             "input the pipeline had distributed; a module the forward may skip cannot be "
             "pipelined: leave it out of sparse_of's mapping"
         )

@@ -29,6 +29,7 @@ from embshard_dist.train_pipeline.interface import (
     total_loss,
 )
 from embshard_dist.train_pipeline.pipelined_forward import (
+    PipelinedForward,
     PreparedInput,
     serving,
     start_input_dist,
@@ -40,17 +41,23 @@ from embshard_dist.train_pipeline.sparse_inputs import (
     find_sharded_modules,
 )
 from embshard_dist.train_pipeline.streams import SideStreams, hand_over, on_stream
+from embshard_types.awaitables import LazyAwaitable
 
 __all__ = ["EvalPipelineSparseDist", "TrainPipelineSparseDist"]
 
 
 @dataclass
 class _InFlight:
-    """A batch on the device, and its modules' input dists once started."""
+    """A batch on the device (the ``index``-th the pipeline took), its modules' input dists
+    once started, and (semi-synchronous pipeline) their lookups once started and the
+    embeddings its forward took, each as (tensor in the lookup's graph, detached leaf)."""
 
     batch: Any
+    index: int
     inputs: dict[str, PreparedInput] = field(default_factory=dict)
     started: bool = False
+    lookups: dict[str, LazyAwaitable[Any]] = field(default_factory=dict)
+    embeddings: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 class TrainPipelineSparseDist(TrainPipeline[In, Out]):
@@ -113,6 +120,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._inputs = SparseInputs(self._modules, sparse_of)
         self._batches: deque[_InFlight] = deque()
         self._exhausted = False
+        self._taken = 0  # batches taken from iterators so far
 
     @property
     def pipelined_modules(self) -> dict[str, AnyShardedModule]:
@@ -168,7 +176,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         self._enqueue(dataloader_iter)
         steps = not training or self._completes_step()
         with self._accumulating(not steps):
-            with serving(self._modules, current.inputs, self._streams.dist):
+            with serving(self._modules, self._stand_ins(current)):
                 losses, output = self._model_fwd(current.batch)
             if following is not None:
                 self._start_values(following)
@@ -182,6 +190,13 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             self._micro_batch += 1
         self._batches.popleft()
         return output
+
+    def _stand_ins(self, flight: _InFlight) -> dict[str, PipelinedForward]:
+        """The forwards that run ``flight``'s modules on their prepared inputs."""
+        return {
+            path: PipelinedForward(path, self._modules[path], prepared, self._streams.dist)
+            for path, prepared in flight.inputs.items()
+        }
 
     def _completes_step(self) -> bool:
         """Whether the current batch is the last micro-batch of its optimizer step: the
@@ -224,7 +239,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         if moved is None:
             self._exhausted = True
             return False
-        self._batches.append(_InFlight(moved))
+        self._batches.append(_InFlight(moved, self._taken))
+        self._taken += 1
         return True
 
     def _start_dist(self, flight: _InFlight) -> None:
