@@ -8,6 +8,7 @@ rounding (the per-row gradient sums add the same terms, not always in the same o
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -180,8 +181,42 @@ def test_backward_prepared_during_the_forward_trains_alike(
         kjt = _kjt(step, weighted)
         out = prepared(kjt)
         tbe.prepare_backward()  # as a sharded collection does while its all-to-all flies
-        assert tbe.fast is not None and tbe.fast._prepared is not None
+        assert tbe.fast is not None and len(tbe.fast._prepared) == 1
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(step)))
-        assert tbe.fast._prepared is None  # used once, then dropped
+        assert len(tbe.fast._prepared) == 0  # used once, then dropped
         _train(plain, kjt, step)
+    assert bit_identical(prepared.split_embedding_weights(), plain.split_embedding_weights())
+
+
+def test_the_next_forward_before_this_backward_keeps_both_plans() -> None:
+    """A semi-synchronous step: forward i+1 (prepared) runs before backward i; each backward
+    uses its own forward's plan, and the update equals the unprepared one."""
+    spec = SPECS["rowwise_adagrad"]
+    prepared = BatchedFusedEmbeddingBag(_config(spec, "sum", False, False), backend="torch")
+    plain = BatchedFusedEmbeddingBag(_config(spec, "sum", False, False), backend="torch")
+    plain.load_state_dict(prepared.state_dict())
+    tbe, ref = prepared.emb_module, plain.emb_module
+    assert isinstance(tbe, TorchFusedTBE) and isinstance(ref, TorchFusedTBE)
+    assert tbe.fast is not None
+    used: list[object] = []
+    take = tbe.fast._take_prepared
+
+    def spy(batches: Any) -> Any:
+        plans = take(batches)
+        used.append(plans)
+        return plans
+
+    tbe.fast._take_prepared = spy  # type: ignore[method-assign]
+    outs, ref_outs = [], []
+    for step in range(2):
+        outs.append(prepared(_kjt(step, False)))
+        tbe.prepare_backward()
+        ref_outs.append(plain(_kjt(step, False)))
+    assert len(tbe.fast._prepared) == 2
+    for step, (out, ref_out) in enumerate(zip(outs, ref_outs, strict=True)):
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+        out.backward(grad)
+        ref_out.backward(grad)
+    assert len(used) == 2 and all(plans is not None for plans in used)
+    assert len(tbe.fast._prepared) == 0
     assert bit_identical(prepared.split_embedding_weights(), plain.split_embedding_weights())

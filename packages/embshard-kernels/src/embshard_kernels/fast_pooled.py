@@ -11,6 +11,7 @@ to those rows. Untouched rows and state are never written.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,6 +35,9 @@ RowExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
 
 FAST_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
 """Optimizers the fast path applies (RowWiseAdagrad without weight decay or max-norm)."""
+
+PREPARED_FORWARDS = 2
+"""Forwards whose backward plans are kept: this step's and the next one's."""
 
 
 def fast_path_refusal(
@@ -155,7 +159,11 @@ class FastPooledPath:
         """Per run, its tables' names joined by ``+`` (what a row exchange is told)."""
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
-        self._prepared: tuple[list[RunBatch], list[RowPlan | None]] | None = None
+        # The plans of the latest forwards whose backward has not run (two: a semi-synchronous
+        # pipeline looks up the next batch before this batch's backward).
+        self._prepared: deque[tuple[list[RunBatch], list[RowPlan | None]]] = deque(
+            maxlen=PREPARED_FORWARDS
+        )
         first_rows = [sum(r for r, _ in shapes[:t]) for t in range(len(shapes))]
         self._table_firsts = [
             [first_rows[t] - first_rows[run.tables[0]] for t in run.tables] if run.tables else []
@@ -264,8 +272,7 @@ class FastPooledPath:
         # as it is, a [batch * features, width] matrix of bags in sample-major order; the
         # sparse product reads it there instead of from a feature-major copy.
         sample_major = bool(self._sample_major_features(layout)) and grad_output.dim() == 2
-        prepared, self._prepared = self._prepared, None
-        plans = prepared[1] if prepared is not None and prepared[0] is batches else None
+        plans = self._take_prepared(batches)
         grads = (
             []
             if sample_major
@@ -354,9 +361,18 @@ class FastPooledPath:
 
     def prepare(self, batches: list[RunBatch], layout: CallLayout) -> None:
         """Work out ahead of the backward what its sums need from the ids alone (e.g. while
-        the output all-to-all is in flight); kept for the most recent ``batches`` only."""
+        the output all-to-all is in flight); kept for the latest ``PREPARED_FORWARDS``
+        forwards."""
         features = self._sample_major_features(layout)
-        self._prepared = (batches, [self._plan(b, features) for b in batches])
+        self._prepared.append((batches, [self._plan(b, features) for b in batches]))
+
+    def _take_prepared(self, batches: list[RunBatch]) -> list[RowPlan | None] | None:
+        """The plans prepared for ``batches`` (that very forward), removed; ``None`` if none."""
+        for i, (prepared, plans) in enumerate(self._prepared):
+            if prepared is batches:
+                del self._prepared[i]
+                return plans
+        return None
 
     def _sample_major_features(self, layout: CallLayout) -> int:
         """The features of the one run when the gradient can be read sample-major, else 0."""
