@@ -158,3 +158,37 @@ def test_a_subgroup_reduces_over_its_members_only() -> None:
     results = run_on_ranks(world, _on_subgroup, world)
     assert results[1] == {} and results[0] == results[2]
     _check(results[0], [0, world - 1], world)
+
+
+def _compute_twice_one_rank_idle() -> list[dict[str, float]]:
+    """Compute, then only rank 1 updates, then compute again on both ranks."""
+    device, rank = test_device(), dist.get_rank()
+    metrics = make_metrics()
+    throughput = ThroughputMetric(batch_size=4)
+    data = rank_data(2, rank)
+    out = []
+    for p, y, w in data[:1] if rank == 0 else data[:2]:
+        for m in metrics:
+            m.update(p.to(device), y.to(device), w.to(device))
+        throughput.update()
+        if len(out) == 0:  # the first compute: both ranks have one update
+            out.append({k: float(v) for m in metrics for k, v in m.compute().items()})
+            out[-1].update({k: float(v) for k, v in throughput.compute().items()})
+    # Rank 0 has nothing new since the first compute; it must still join the second reduction.
+    out.append({k: float(v) for m in metrics for k, v in m.compute().items()})
+    out[-1].update({k: float(v) for k, v in throughput.compute().items()})
+    return out
+
+
+def test_a_rank_without_new_samples_still_joins_compute() -> None:
+    """torchmetrics caches a result until the next update; a cached compute on an idle rank
+    would leave the other rank alone in the all-reduce (a hang until the timeout)."""
+    results = run_on_ranks(2, _compute_twice_one_rank_idle)
+    assert results[0] == results[1]  # every rank gets the same values, both times
+    first, second = results[0]
+    assert first != second  # the second compute includes rank 1's new batch
+    data = {0: rank_data(2, 0)[:1], 1: rank_data(2, 1)[:2]}
+    expect = reference(*concat(data[0] + data[1]))
+    for name, value in expect.items():
+        assert abs(second[f"{name}-DefaultTask|lifetime_{name}"] - value) < 1e-6, name
+    assert second["throughput-throughput|total_examples"] == 12  # 1 + 2 updates of 4

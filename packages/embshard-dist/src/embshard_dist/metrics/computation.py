@@ -62,7 +62,13 @@ class RecMetricComputation(Metric):
         process_group: dist.ProcessGroup | None = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(process_group=process_group, dist_sync_fn=all_reduce_states)
+        # No cached result: every compute() reduces, so a rank without new samples still joins
+        # the all-reduce the other ranks are in.
+        super().__init__(
+            process_group=process_group,
+            dist_sync_fn=all_reduce_states,
+            compute_with_cache=False,
+        )
         self.name = type(self).__name__ if name is None else name
         if window_size <= 0:
             raise ValueError(f"{self.name}: window_size must be positive, got {window_size}")

@@ -56,7 +56,10 @@ class ThroughputMetric(Metric):
                 f"throughput: batch_size and window_seconds must be positive, got {batch_size}, "
                 f"{window_seconds}"
             )
-        super().__init__(process_group=group, dist_sync_fn=all_reduce_states)
+        # No cached result: every compute() reduces on every rank (see RecMetricComputation).
+        super().__init__(
+            process_group=group, dist_sync_fn=all_reduce_states, compute_with_cache=False
+        )
         self.batch_size, self.window_seconds, self.group = batch_size, window_seconds, group
         self._clock = clock
         for state in ("examples", "rate", "window_rate"):
