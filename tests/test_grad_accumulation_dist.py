@@ -25,7 +25,11 @@ from embshard_dist.data.synthetic import Batch
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.planner.simple import SimplePlanner
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
-from embshard_dist.train_pipeline import TrainPipelineSparseDist
+from embshard_dist.train_pipeline import (
+    GradientAccumulationConfig,
+    GradientAccumulationWrapper,
+    TrainPipelineSparseDist,
+)
 from embshard_kernels.accumulate import pending_micro_batches
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
@@ -280,3 +284,85 @@ def test_the_last_batch_the_pipeline_runs_completes_its_step(execute_all_batches
         # 6 batches: one step of 4, then a short one of the rest
         assert result["ran"] == (6 if execute_all_batches else 5)
         assert result["pending"] == 0 and result["saved"] == 2
+
+
+def _wrapper_equals_the_accumulating_pipeline(count: int) -> dict[str, Any]:
+    """TorchRec's wrapper (num_steps=K, losses summed) around TrainPipelineSparseDist against
+    TrainPipelineSparseDist(accumulate_grad_batches=K) on K times the loss (it divides by K):
+    the same gradients, so the same step; ``count`` micro-batches (a short last cycle is
+    completed at StopIteration)."""
+    rank = dist.get_rank()
+    device = test_device()
+    spec = OptimizerSpec.from_name("sgd", lr=0.1)
+    wrapped, reference = _sharded(spec), _sharded(spec)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    source = data()
+    micro = [source.batch(j, rank, WORLD) for j in range(count)]
+
+    def forward_of(dmp: DistributedModelParallel, scale: float) -> Any:
+        def forward(batch: Batch) -> tuple[Tensor, Tensor]:
+            logits = dmp(batch.dense, batch.sparse)
+            return loss_fn(logits, batch.labels) * scale, logits.detach()
+
+        return forward
+
+    inner = TrainPipelineSparseDist(
+        wrapped,
+        wrapped.optimizer(),
+        device,
+        custom_model_fwd=forward_of(wrapped, 1.0),
+        sparse_of=lambda batch: batch.sparse,
+    )
+    pipeline = GradientAccumulationWrapper(
+        inner, wrapped.optimizer(), wrapped, GradientAccumulationConfig(num_steps=K)
+    )
+    tables_before = _tables_only(wrapped)
+    moved_early = []
+    batches: Iterator[Batch] = iter(micro)
+    for _ in range(min(count, K) - 1):
+        pipeline.progress(batches)
+        now = _tables_only(wrapped)
+        moved_early.append(any(not torch.equal(tables_before[k], v) for k, v in now.items()))
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(batches)
+
+    accumulating = TrainPipelineSparseDist(
+        reference,
+        reference.optimizer(),
+        device,
+        custom_model_fwd=forward_of(reference, float(K)),
+        sparse_of=lambda batch: batch.sparse,
+        accumulate_grad_batches=K,
+    )
+    batches = iter(micro)
+    with pytest.raises(StopIteration):
+        while True:
+            accumulating.progress(batches)
+    tables = _tables_only(wrapped)
+    ref_tables = _tables_only(reference)
+    mine, theirs = _snapshot(wrapped), _snapshot(reference)
+    return {
+        "moved_early": moved_early,
+        "tables_equal": all(torch.equal(tables[k], ref_tables[k]) for k in tables),
+        "moved": any(not torch.equal(tables_before[k], v) for k, v in tables.items()),
+        "worst": max((mine[k] - theirs[k]).abs().max().item() for k in mine if mine[k].numel()),
+        "pending": pending_micro_batches(wrapped),
+        "step": pipeline.current_step,
+    }
+
+
+@pytest.mark.parametrize("count", [K, 6])
+def test_torchrec_gradient_accumulation_wrapper_accumulates_the_tables_too(count: int) -> None:
+    results = run_on_ranks(WORLD, _wrapper_equals_the_accumulating_pipeline, count)
+    for result in results:
+        assert result["moved_early"] == [False] * (K - 1)  # fused tables wait for the cycle
+        assert result["moved"] and result["tables_equal"] and result["pending"] == 0
+        assert result["worst"] <= TOL  # dense: DDP synced the first micro-batch apart
+        assert result["step"] == (2 * K if count > K else K)  # a short cycle counts as whole
+
+
+def test_gradient_accumulation_wrapper_refusals() -> None:
+    with pytest.raises(ValueError, match=r"num_steps must be an int >= 1"):
+        GradientAccumulationConfig(num_steps=0)
+    assert GradientAccumulationConfig(num_steps=3).is_enabled

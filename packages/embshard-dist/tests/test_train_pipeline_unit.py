@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.models import DLRM, DLRMTrain
 from embshard_dist.train_pipeline import (
+    GradientAccumulationConfig,
+    GradientAccumulationWrapper,
     TrainPipelineBase,
     TrainPipelineSemiSync,
     TrainPipelineSparseDist,
@@ -434,3 +436,18 @@ def test_detach_embeddings_of_every_output_type() -> None:
     assert pairs[0][0] is jagged["a"].values()
     plain, pairs = detach_embeddings(values.detach())
     assert pairs == [] and not plain.requires_grad  # nothing to backpropagate (no_grad)
+
+
+def test_gradient_accumulation_wrapper_refuses_what_it_cannot_keep_apart() -> None:
+    model = sharded()
+    config = GradientAccumulationConfig(num_steps=2)
+    semi = TrainPipelineSemiSync(model, model.optimizer(), "cpu")
+    with pytest.raises(ValueError, match=r"TrainPipelineSemiSync looks up the next batch"):
+        GradientAccumulationWrapper(semi, model.optimizer(), model, config)
+    twice = TrainPipelineSparseDist(model, model.optimizer(), "cpu", accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"already accumulates \(accumulate_grad_batches=2\)"):
+        GradientAccumulationWrapper(twice, model.optimizer(), model, config)
+    plain = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    off = GradientAccumulationWrapper(plain, model.optimizer(), model, GradientAccumulationConfig())
+    assert not GradientAccumulationConfig().is_enabled
+    assert len(run(off, iter(batches(3)))) == 3  # disabled: the pipeline's own steps

@@ -21,7 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from embshard_kernels.accumulate import defer_sparse_updates, grad_accumulations
 
-__all__ = ["check_accumulate_grad_batches", "check_applied", "no_sync"]
+__all__ = [
+    "check_accumulate_grad_batches",
+    "check_applied",
+    "data_parallel_modules",
+    "no_sync",
+]
 
 
 def check_accumulate_grad_batches(value: object, where: str) -> int:
@@ -56,10 +61,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     """
     with ExitStack() as stack:
         stack.enter_context(defer_sparse_updates(model))
-        for sub in model.modules():
-            if isinstance(sub, DistributedDataParallel):
-                stack.enter_context(sub.no_sync())
+        for ddp in data_parallel_modules(model):
+            stack.enter_context(ddp.no_sync())
         yield
+
+
+def data_parallel_modules(model: nn.Module) -> list[DistributedDataParallel]:
+    """The DDP modules inside ``model`` (a ``DistributedModelParallel``'s dense wrapper)."""
+    return [sub for sub in model.modules() if isinstance(sub, DistributedDataParallel)]
 
 
 def check_applied(model: nn.Module, what: str) -> None:

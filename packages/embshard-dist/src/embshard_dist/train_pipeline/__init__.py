@@ -5,11 +5,17 @@ batch's forward, backward and optimizer step, with results equal to the plain tr
 :class:`EvalPipelineSparseDist` does the same for forwards only; :class:`TrainPipelineBase` is
 the plain loop behind the same interface (only the next batch's copy overlapped);
 :class:`TrainPipelineSemiSync` also overlaps the next batch's lookup and output dist with this
-batch's backward, one step stale (not equal to the plain loop).
+batch's backward, one step stale (not equal to the plain loop);
+:class:`GradientAccumulationWrapper` makes any of them step once per cycle of micro-batches,
+the fused tables included.
 """
 
 from embshard_dist.train_pipeline.base import TrainPipelineBase
 from embshard_dist.train_pipeline.batch import Pipelineable, move_batch
+from embshard_dist.train_pipeline.gradient_accumulation import (
+    GradientAccumulationConfig,
+    GradientAccumulationWrapper,
+)
 from embshard_dist.train_pipeline.interface import TrainPipeline
 from embshard_dist.train_pipeline.semi_sync import TrainPipelineSemiSync
 from embshard_dist.train_pipeline.sparse_dist import EvalPipelineSparseDist, TrainPipelineSparseDist
@@ -17,6 +23,8 @@ from embshard_dist.train_pipeline.sparse_inputs import SparseOf, find_sharded_mo
 
 __all__ = [
     "EvalPipelineSparseDist",
+    "GradientAccumulationConfig",
+    "GradientAccumulationWrapper",
     "Pipelineable",
     "SparseOf",
     "TrainPipeline",
