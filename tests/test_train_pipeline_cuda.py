@@ -1,4 +1,5 @@
 """TrainPipelineSparseDist on CUDA at world 1 (NCCL): equal to the plain loop, on its side streams.
+TrainPipelineSemiSync there too: equal to its definition written out as a loop.
 
 Runs under ``EMBSHARD_TEST_BACKEND=nccl`` (``nox -s gpu_tests``) on one GPU and skips elsewhere.
 A ``DLRMTrain(DLRM(...))`` with a table-wise, a row-wise and a column-wise table is trained for
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.models.dlrm import DLRM, DLRMTrain
-from embshard_dist.train_pipeline import TrainPipelineSparseDist
+from embshard_dist.train_pipeline import TrainPipelineSemiSync, TrainPipelineSparseDist
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig
@@ -161,3 +162,44 @@ def test_pipeline_on_cuda_equals_plain_loop() -> None:
     assert result["input_dists"] == STEPS
     assert result["on_side_stream"] == STEPS, result
     assert result["compared"] > 0
+
+
+def run_semi_sync() -> int:
+    """12 steps semi-synchronous from batch 3 against ``semi_sync_reference``."""
+    from test_train_pipeline_semi_sync import semi_sync_reference
+
+    device = test_device()
+    piped, reference = build(), build()
+    pipeline = TrainPipelineSemiSync(piped, piped.optimizer(), device, start_batch=3)
+    batches = [make_batch(step) for step in range(STEPS)]
+    loader, outputs = iter(batches), []
+    while True:
+        try:
+            outputs.append(pipeline.progress(loader))
+        except StopIteration:
+            break
+    on_device = [
+        Batch(b.dense_features.to(device), b.sparse_features.to(device), b.labels.to(device))
+        for b in batches
+    ]
+    sparse = reference.module.model.sparse_arch.embedding_bag_collection
+    expected = semi_sync_reference(reference, on_device, 3, sparse=sparse)
+    compared = 0
+    for step, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        for a, b in zip(got, want, strict=True):
+            close(a, b, f"semi-sync output of step {step}")
+            compared += 1
+    torch.cuda.synchronize(device)
+    ref = reference.state_dict()
+    for key, value in piped.state_dict().items():
+        for a, b in zip(local_tensors(value), local_tensors(ref[key]), strict=True):
+            close(a, b, f"semi-sync {key}")
+            compared += 1
+    return compared
+
+
+def test_semi_sync_pipeline_on_cuda_is_its_definition() -> None:
+    if selected_backend() != "nccl" or not torch.cuda.is_available():
+        pytest.skip("needs CUDA: run under EMBSHARD_TEST_BACKEND=nccl (nox -s gpu_tests)")
+    (compared,) = run_on_ranks(1, run_semi_sync, timeout_s=240)
+    assert compared > STEPS

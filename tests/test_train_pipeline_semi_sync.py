@@ -59,11 +59,12 @@ def semi_sync_reference(
     start_batch: int,
     first_index: int = 0,
     stash: dict[str, Tensor] | None = None,
-) -> list[Tensor]:
+    sparse: Any = None,
+) -> list[Any]:
     """The semi-synchronous schedule on ``dmp``, one epoch whose first batch is the
     ``first_index``-th of the run; ``stash`` (kept across epochs): dense gradients one step
-    behind."""
-    sparse = dmp.module.sparse
+    behind; ``sparse``: the sharded module (default ``dmp.module.sparse``)."""
+    sparse = dmp.module.sparse if sparse is None else sparse
     optimizer = dmp.optimizer()
     looked = {0: _look_up(sparse, batches[0])}
     outputs = []
