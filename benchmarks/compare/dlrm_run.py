@@ -3,7 +3,8 @@
 Figures per (workload, plan): each mode's step time (the slowest rank's median ms), each rank's
 median wait on embshard's collectives per step, and the ratios the issue sets targets for:
 embshard pipelined / embshard plain (target <= 0.85) and embshard pipelined / TorchRec pipelined
-(target <= 0.7; against TorchRec's plain loop when its pipeline cannot run, with its error).
+(target <= 0.7; against TorchRec's plain loop when its pipeline cannot run, with its error); and
+the semi-synchronous pipelines against embshard's plain loop and against each other.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             if other in ms:
                 label = other.replace("-", " ")
                 ratios[f"embshard pipelined / {label}"] = ms["embshard-pipelined"] / ms[other]
+    if "embshard-semi-sync" in ms:
+        for other in ("embshard-plain", "embshard-pipelined", "torchrec-semi-sync"):
+            if other in ms:
+                label = other.replace("-", " ", 1)
+                ratios[f"embshard semi-sync / {label}"] = ms["embshard-semi-sync"] / ms[other]
     out["ratios"] = ratios
     return out
 

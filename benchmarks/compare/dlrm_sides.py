@@ -1,5 +1,5 @@
 """W2-DLRM's contenders: each library's ``DLRMTrain(DLRM(...))`` over W2's tables, trained by its
-plain loop or by its ``TrainPipelineSparseDist``.
+plain loop, its ``TrainPipelineSparseDist`` or its ``TrainPipelineSemiSync`` (from batch 0).
 
 W2-DLRM is W2's 26 tables (``workloads.w2``) under a DLRM dense part: 13 dense features, bottom
 MLP [256, 128], top MLP [512, 256, 1], binary cross-entropy on the logits. Both libraries build
@@ -38,7 +38,17 @@ MODULE = "model.sparse_arch.embedding_bag_collection"
 """Where DLRMTrain holds the collection: the path the plans name."""
 MODEL_SEED = 11
 """The torch seed before each DLRM constructor (the dense parameters)."""
-MODES = ("embshard-plain", "embshard-pipelined", "torchrec-plain", "torchrec-pipelined")
+MODES = (
+    "embshard-plain",
+    "embshard-pipelined",
+    "embshard-semi-sync",
+    "torchrec-plain",
+    "torchrec-pipelined",
+    "torchrec-semi-sync",
+)
+"""``{library}-{loop}``; loops: plain, pipelined (``TrainPipelineSparseDist``) and semi-sync
+(``TrainPipelineSemiSync`` from batch 0: one step stale, not equal to the others)."""
+SEMI_SYNC_START_BATCH = 0
 
 
 @dataclass(frozen=True)
@@ -77,8 +87,8 @@ class DlrmContender:
     pipeline: Any | None
     batches: list[Any]
 
-    def _start(self, pipelined: bool, pipeline: Any) -> None:
-        self.pipeline = pipeline if pipelined else None
+    def _start(self, pipeline: Any | None) -> None:
+        self.pipeline = pipeline
         self._next: Iterator[Any] = itertools.cycle(self.batches)
 
     def step(self) -> None:
@@ -109,18 +119,18 @@ class EmbshardDlrm(DlrmContender):
         dense: list[DenseBatch],
         world: int,
         local: int,
-        pipelined: bool,
+        loop: str,
     ) -> None:
         from benchmarks.compare.embshard_side import _embshard_plan, _sharder, _spec
         from embshard_dist.dmp.model_parallel import DistributedModelParallel
         from embshard_dist.models.dlrm import DLRM, DLRMTrain
-        from embshard_dist.train_pipeline import TrainPipelineSparseDist
+        from embshard_dist.train_pipeline import TrainPipelineSemiSync, TrainPipelineSparseDist
         from embshard_kernels.collections import EmbeddingBagCollection
         from embshard_types.configs import EmbeddingBagConfig
         from embshard_types.plan import ShardingPlan
         from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
-        self.name = "embshard-pipelined" if pipelined else "embshard-plain"
+        self.name = f"embshard-{loop}"
         check_tables(plan, workload)
         tables = [
             EmbeddingBagConfig(
@@ -152,12 +162,17 @@ class EmbshardDlrm(DlrmContender):
             )
             for b, d in zip(batches, dense, strict=True)
         ]
-        pipeline = (
-            TrainPipelineSparseDist(self.model, self.optimizer, torch.device("cpu"))
-            if pipelined
-            else None
-        )
-        self._start(pipelined, pipeline)
+        pipeline: Any = None
+        if loop == "pipelined":
+            pipeline = TrainPipelineSparseDist(self.model, self.optimizer, torch.device("cpu"))
+        elif loop == "semi-sync":
+            pipeline = TrainPipelineSemiSync(
+                self.model,
+                self.optimizer,
+                torch.device("cpu"),
+                start_batch=SEMI_SYNC_START_BATCH,
+            )
+        self._start(pipeline)
 
 
 @dataclass(frozen=True)
@@ -180,7 +195,7 @@ class TorchRecDlrm(DlrmContender):
         dense: list[DenseBatch],
         world: int,
         local: int,
-        pipelined: bool,
+        loop: str,
     ) -> None:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -188,6 +203,7 @@ class TorchRecDlrm(DlrmContender):
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.model_parallel import DistributedModelParallel
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+        from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
         from torchrec.distributed.types import ShardingPlan
         from torchrec.models.dlrm import DLRM, DLRMTrain
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -196,7 +212,7 @@ class TorchRecDlrm(DlrmContender):
 
         from benchmarks.compare.torchrec_side import _torchrec_plan
 
-        self.name = "torchrec-pipelined" if pipelined else "torchrec-plain"
+        self.name = f"torchrec-{loop}"
         check_tables(plan, workload)
         tables = [
             EmbeddingBagConfig(
@@ -250,12 +266,17 @@ class TorchRecDlrm(DlrmContender):
             )
             for b, d in zip(batches, dense, strict=True)
         ]
-        pipeline = (
-            TrainPipelineSparseDist(self.model, self.optimizer, torch.device("cpu"))
-            if pipelined
-            else None
-        )
-        self._start(pipelined, pipeline)
+        pipeline: Any = None
+        if loop == "pipelined":
+            pipeline = TrainPipelineSparseDist(self.model, self.optimizer, torch.device("cpu"))
+        elif loop == "semi-sync":
+            pipeline = TrainPipelineSemiSync(
+                self.model,
+                self.optimizer,
+                torch.device("cpu"),
+                start_batch=SEMI_SYNC_START_BATCH,
+            )
+        self._start(pipeline)
 
 
 def build(
@@ -272,4 +293,4 @@ def build(
     if mode not in MODES:
         raise ValueError(f"unknown W2-DLRM mode {mode!r}; expected one of {', '.join(MODES)}")
     cls = EmbshardDlrm if library == "embshard" else TorchRecDlrm
-    return cls(workload, plan, batches, dense, world, local or world, loop == "pipelined")
+    return cls(workload, plan, batches, dense, world, local or world, loop)
