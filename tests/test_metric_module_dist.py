@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _mp import run_on_ranks, test_device
+from test_metrics_dist import windowed
 
 from embshard_dist.metrics import (
     AccuracyMetric,
@@ -97,16 +98,6 @@ def task_batches(rank: int, task: RecTaskInfo, upto: int | None = None) -> list[
         if len(p):
             out.append((p, o[task.label_name], w))
     return out
-
-
-def windowed(batches: list[Batch], local_window: int) -> list[Batch]:
-    """The latest batches of at most ``local_window`` samples, and always the latest one."""
-    kept: list[Batch] = []
-    for b in reversed(batches):
-        if kept and sum(len(k[0]) for k in kept) + len(b[0]) > local_window:
-            break
-        kept.insert(0, b)
-    return kept
 
 
 def one_process(per_task: dict[str, list[Batch]], prefix: str) -> dict[str, float]:

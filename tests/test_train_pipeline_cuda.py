@@ -83,6 +83,16 @@ def build() -> DistributedModelParallel:
     return DistributedModelParallel(model, plan=plan, optimizer=SPEC, device=test_device())
 
 
+def drain(pipeline: Any, batches: list[Batch]) -> list[Any]:
+    """Every output of ``pipeline`` over ``batches``, until ``StopIteration``."""
+    loader, outputs = iter(batches), []
+    while True:
+        try:
+            outputs.append(pipeline.progress(loader))
+        except StopIteration:
+            return outputs
+
+
 def local_tensors(value: Any) -> list[Tensor]:
     if hasattr(value, "local_shards"):
         return [s.tensor for s in value.local_shards()]
@@ -110,12 +120,7 @@ def run() -> dict[str, int]:
 
     module.input_dist = recording_input_dist  # type: ignore[method-assign]
     batches = [make_batch(step) for step in range(STEPS)]
-    loader, outputs = iter(batches), []
-    while True:
-        try:
-            outputs.append(pipeline.progress(loader))
-        except StopIteration:
-            break
+    outputs = drain(pipeline, batches)
     del module.input_dist  # the instance attribute: the module's own method is back
     optimizer = plain.optimizer()
     compared = 0
@@ -172,12 +177,7 @@ def run_semi_sync() -> int:
     piped, reference = build(), build()
     pipeline = TrainPipelineSemiSync(piped, piped.optimizer(), device, start_batch=3)
     batches = [make_batch(step) for step in range(STEPS)]
-    loader, outputs = iter(batches), []
-    while True:
-        try:
-            outputs.append(pipeline.progress(loader))
-        except StopIteration:
-            break
+    outputs = drain(pipeline, batches)
     on_device = [
         Batch(b.dense_features.to(device), b.sparse_features.to(device), b.labels.to(device))
         for b in batches

@@ -87,8 +87,16 @@ class DlrmContender:
     pipeline: Any | None
     batches: list[Any]
 
-    def _start(self, pipeline: Any | None) -> None:
-        self.pipeline = pipeline
+    def _start(self, loop: str, sparse_dist: Any, semi_sync: Any) -> None:
+        """Build ``loop``'s pipeline (none for the plain loop) from the library's classes."""
+        cpu = torch.device("cpu")
+        self.pipeline = None
+        if loop == "pipelined":
+            self.pipeline = sparse_dist(self.model, self.optimizer, cpu)
+        elif loop == "semi-sync":
+            self.pipeline = semi_sync(
+                self.model, self.optimizer, cpu, start_batch=SEMI_SYNC_START_BATCH
+            )
         self._next: Iterator[Any] = itertools.cycle(self.batches)
 
     def step(self) -> None:
@@ -162,17 +170,7 @@ class EmbshardDlrm(DlrmContender):
             )
             for b, d in zip(batches, dense, strict=True)
         ]
-        pipeline: Any = None
-        if loop == "pipelined":
-            pipeline = TrainPipelineSparseDist(self.model, self.optimizer, torch.device("cpu"))
-        elif loop == "semi-sync":
-            pipeline = TrainPipelineSemiSync(
-                self.model,
-                self.optimizer,
-                torch.device("cpu"),
-                start_batch=SEMI_SYNC_START_BATCH,
-            )
-        self._start(pipeline)
+        self._start(loop, TrainPipelineSparseDist, TrainPipelineSemiSync)
 
 
 @dataclass(frozen=True)
@@ -266,17 +264,7 @@ class TorchRecDlrm(DlrmContender):
             )
             for b, d in zip(batches, dense, strict=True)
         ]
-        pipeline: Any = None
-        if loop == "pipelined":
-            pipeline = TrainPipelineSparseDist(self.model, self.optimizer, torch.device("cpu"))
-        elif loop == "semi-sync":
-            pipeline = TrainPipelineSemiSync(
-                self.model,
-                self.optimizer,
-                torch.device("cpu"),
-                start_batch=SEMI_SYNC_START_BATCH,
-            )
-        self._start(pipeline)
+        self._start(loop, TrainPipelineSparseDist, TrainPipelineSemiSync)
 
 
 def build(

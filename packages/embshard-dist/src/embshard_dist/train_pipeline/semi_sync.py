@@ -97,12 +97,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             StopIteration: every batch has been run (or, with ``execute_all_batches=False``,
                 the iterator has ended).
         """
-        self._fill(dataloader_iter)
-        if self._exhausted and not self._execute_all_batches:
-            self._drop_in_flight()
-        if not self._batches:
-            raise StopIteration
-        current = self._batches[0]
+        current = self._oldest(dataloader_iter)
         semi_sync = current.index >= self._start_batch
         training = self._model.training
         if training:

@@ -160,16 +160,10 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             StopIteration: every batch has been run (or, with ``execute_all_batches=False``,
                 the iterator has ended).
         """
-        self._fill(dataloader_iter)
-        if self._exhausted and not self._execute_all_batches:
-            self._drop_in_flight()
-        if not self._batches:
-            raise StopIteration
-        current = self._batches[0]
+        current = self._oldest(dataloader_iter)
         training = self._model.training and self._trains
         if training and self._micro_batch == 0:
             self._optimizer.zero_grad()
-        hand_over(current.batch, self._streams.dist)
         following = self._batches[1] if len(self._batches) > 1 else None
         if following is not None:
             self._start_dist(following)
@@ -190,6 +184,21 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             self._micro_batch += 1
         self._batches.popleft()
         return output
+
+    def _oldest(self, dataloader_iter: Iterator[In]) -> _InFlight:
+        """Fill the pipeline and hand its oldest batch to the current stream.
+
+        Raises:
+            StopIteration: no batch is left to run.
+        """
+        self._fill(dataloader_iter)
+        if self._exhausted and not self._execute_all_batches:
+            self._drop_in_flight()
+        if not self._batches:
+            raise StopIteration
+        current = self._batches[0]
+        hand_over(current.batch, self._streams.dist)
+        return current
 
     def _stand_ins(self, flight: _InFlight) -> dict[str, PipelinedForward]:
         """The forwards that run ``flight``'s modules on their prepared inputs."""
