@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from embshard_dist.comm.collectives import all_reduce
 from embshard_dist.dmp.accumulation import data_parallel_modules
 from embshard_dist.train_pipeline.interface import In, Out, TrainPipeline
 from embshard_dist.train_pipeline.semi_sync import TrainPipelineSemiSync
@@ -86,6 +87,12 @@ class _CycleOptimizer:
         if self.closes_cycle():
             self._optimizer.step(*args, **kwargs)
             self.needs_zero_grad = True
+
+    def step_now(self) -> None:
+        """Step and zero the gradients now, whatever the cycle (to complete a short one)."""
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self.needs_zero_grad = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
@@ -193,9 +200,7 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         if self._unsynced:
             for ddp in data_parallel_modules(self._model):
                 _average_gradients(ddp)
-        self._optimizer._optimizer.step()
-        self._optimizer._optimizer.zero_grad(set_to_none=True)
-        self._optimizer.needs_zero_grad = False
+        self._optimizer.step_now()
         self._unsynced = False
         self._optimizer.current_step += k - self.current_step % k
 
@@ -204,12 +209,13 @@ class GradientAccumulationWrapper(Generic[In, Out]):
 
 
 def _average_gradients(ddp: DistributedDataParallel) -> None:
-    """DDP's all-reduce (the mean over its group) of the gradients it manages, by hand."""
+    """DDP's all-reduce (the mean over its group) of the gradients it manages, by hand,
+    through embshard's collectives (bounded by the collective timeout)."""
     ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))
     group = ddp.process_group
     world = dist.get_world_size(group)
     for name, param in ddp.module.named_parameters():
         if param.grad is None or not param.requires_grad or name in ignored:
             continue
-        dist.all_reduce(param.grad, group=group)
+        all_reduce(param.grad, group=group, name=f"gradient_accumulation.{name}")
         param.grad.div_(world)
