@@ -43,6 +43,7 @@ from embshard_dist.dmp.collection import DMPCollection, create_2d_env, sharding_
 from embshard_dist.dmp.replicas import replica_tensors
 from embshard_dist.strategies.layout import grid_specs
 from embshard_dist.strategies.nodes import subgroup
+from embshard_dist.train_pipeline import TrainPipelineSparseDist
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
 from embshard_types.vocab import ShardingType
@@ -223,6 +224,76 @@ def test_2d_replicas_match_references() -> None:
         compared, sizes = values[: len(CASES)], values[len(CASES) :]
         assert all(n > 0 for n in compared)
         assert sizes == ([1, 2] if rank % GROUP == 1 else [2])
+
+
+def run_pipelined_2d(steps: int) -> list[bool]:
+    """TrainPipelineSparseDist over a DMPCollection syncs its replicas every
+    ``dmp_collection_sync_interval_batches`` batches, after the backward and before the
+    optimizer step, as TorchRec's pipeline does: equal, bit for bit, to the plain loop that calls
+    ``model.sync()`` there; ``None`` never syncs."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    spec = OPTIMIZERS["rowwise_adagrad"]
+    configs = list(TABLES)
+    keys = [f for c in configs for f in c.feature_names]
+    lo, hi = samples(rank)
+
+    def build() -> DMPCollection:
+        torch.manual_seed(5)
+        source = EmbeddingBagCollection(configs, optimizer=spec)
+        return DMPCollection(
+            source, GROUP, test_device(), plan(True), sync_interval=1000, node_group_size=1
+        )
+
+    def forward_of(model: DMPCollection) -> Any:
+        width = sum(c.embedding_dim * len(c.feature_names) for c in configs)
+        factors = torch.randn(hi - lo, width, generator=torch.Generator().manual_seed(rank))
+
+        def forward(kjt: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            out = model(kjt).values()
+            return (out * factors.to(out.device)).sum(), out.detach()
+
+        return forward
+
+    batches = [
+        kjt_of(global_batch(configs, 70 + step, sum(SIZES)), keys, lo, hi, False)
+        for step in range(steps)
+    ]
+    piped, plain, never = build(), build(), build()
+    pipelines = [
+        TrainPipelineSparseDist(
+            model,
+            model.optimizer(),
+            test_device(),
+            custom_model_fwd=forward_of(model),
+            dmp_collection_sync_interval_batches=interval,
+        )
+        for model, interval in ((piped, 2), (never, None))
+    ]
+    outputs: list[list[torch.Tensor]] = [[], []]
+    for which, pipeline in enumerate(pipelines):
+        it = iter(batches)
+        for _ in range(steps):
+            outputs[which].append(pipeline.progress(it))
+    optimizer, forward = plain.optimizer(), forward_of(plain)
+    for step, kjt in enumerate(batches):
+        optimizer.zero_grad()
+        loss, out = forward(kjt.to(test_device()))
+        loss.backward()
+        if step % 2 == 0:
+            plain.sync()
+        optimizer.step()
+        assert torch.equal(outputs[0][step], out), f"step {step}"
+    mine = replica_tensors(piped.sharded_modules.values())
+    theirs = replica_tensors(plain.sharded_modules.values())
+    equal = all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    return [equal, replicas_identical(piped), replicas_identical(never)]
+
+
+@pytest.mark.cpu_only("4 ranks, one per device")
+def test_pipeline_syncs_replicas_on_torchrecs_schedule() -> None:
+    results = run_on_ranks(WORLD, run_pipelined_2d, 5, timeout_s=240)
+    assert results == [[True, True, False]] * WORLD
 
 
 def test_sharding_group_layouts() -> None:

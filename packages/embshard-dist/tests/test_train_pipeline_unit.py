@@ -6,6 +6,7 @@ moving batches. The results on real ranks against the plain loop are in
 
 from __future__ import annotations
 
+import inspect
 import socket
 from collections import namedtuple
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.models import DLRM, DLRMTrain
 from embshard_dist.train_pipeline import (
+    EvalPipelineSparseDist,
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
     TrainPipelineBase,
@@ -30,6 +32,7 @@ from embshard_dist.train_pipeline import (
     move_batch,
 )
 from embshard_dist.train_pipeline.semi_sync import detach_embeddings
+from embshard_dist.train_pipeline.sparse_inputs import find_in_batch
 from embshard_kernels.collections import EmbeddingBagCollection
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig
@@ -146,7 +149,9 @@ def test_next_input_dist_starts_before_this_forward_and_results_equal_plain() ->
         return original(ctx, features)
 
     module.input_dist = spy  # type: ignore[method-assign]
-    pipeline = TrainPipelineSparseDist(model, model.optimizer(), torch.device("cpu"))
+    pipeline = TrainPipelineSparseDist(
+        model, model.optimizer(), torch.device("cpu"), sparse_of=lambda b: b.sparse_features
+    )
     it = iter(data)
     outputs = []
     for _ in range(4):
@@ -263,14 +268,6 @@ def test_finds_sharded_modules_under_their_model_paths() -> None:
         TrainPipelineSparseDist(Model(), torch.optim.SGD(Model().parameters(), lr=0.1), "cpu")
 
 
-def test_refuses_a_batch_without_sparse_features() -> None:
-    model = sharded()
-    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
-    pair = namedtuple("pair", ["dense", "ids"])
-    with pytest.raises(TypeError, match=r"batch.sparse_features.*pair batch has none.*sparse_of"):
-        pipeline.progress(iter([pair(torch.zeros(1), torch.zeros(1))]))
-
-
 @pytest.mark.parametrize(
     ("mode", "error", "match"),
     [
@@ -279,12 +276,153 @@ def test_refuses_a_batch_without_sparse_features() -> None:
         ("skips", RuntimeError, r"did not call the sharded modules \['sparse'\]"),
     ],
 )
-def test_refuses_a_model_it_cannot_pipeline(mode: str, error: type[Exception], match: str) -> None:
+def test_refuses_a_model_that_does_not_pass_sparse_of_on(
+    mode: str, error: type[Exception], match: str
+) -> None:
     model = sharded(mode)
-    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    pipeline = TrainPipelineSparseDist(
+        model, model.optimizer(), "cpu", sparse_of=lambda b: b.sparse_features
+    )
     with pytest.raises(error, match=match):
         pipeline.progress(iter(batches(2)))
     assert "forward" not in model.sharded_modules["sparse"].__dict__
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [
+        ("copies", "not an attribute, key or item of the batch"),
+        ("twice", "called it 2 times"),
+        ("skips", "did not call it"),
+    ],
+)
+def test_learning_leaves_a_module_it_cannot_pipeline_to_the_forward(
+    mode: str, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without ``sparse_of``, a module the first batch shows cannot be pipelined distributes
+    its own input (a warning says which and why), and the results are the plain loop's."""
+    data = batches(4)
+    model, reference = sharded(mode), sharded(mode)
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    with caplog.at_level("WARNING"):
+        outputs = run(pipeline, iter(data))
+    assert f"'sparse': the first batch's forward {why}" in caplog.text or why in caplog.text
+    assert "sparse_of" in caplog.text
+    for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
+        assert torch.equal(out, expected)
+
+
+class TwoTowers(nn.Module):
+    """Two collections fed from different parts of a dict batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = EmbeddingBagCollection(TABLES[:1], optimizer=SPEC)
+        self.items = EmbeddingBagCollection(TABLES[1:], optimizer=SPEC)
+        self.top = nn.Linear(3 + 8, 1)
+
+    def forward(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        users = self.users(batch["features"]["user"]).values()
+        items = self.items(batch["features"]["item"][0]).values()
+        logits = self.top(torch.cat([batch["dense"], users, items], dim=1)).squeeze(-1)
+        return F.binary_cross_entropy_with_logits(logits, batch["labels"]), logits.detach()
+
+
+def two_towers() -> Any:
+    torch.manual_seed(0)
+    plan = ShardingPlan(
+        {
+            "users": EmbeddingModuleShardingPlan(
+                {"t_a": ParameterSharding(ShardingType.ROW_WISE, "fused")}
+            ),
+            "items": EmbeddingModuleShardingPlan(
+                {"t_b": ParameterSharding(ShardingType.TABLE_WISE, "fused", ranks=[0])}
+            ),
+        }
+    )
+    return DistributedModelParallel(TwoTowers(), plan=plan, optimizer=SPEC, device="cpu")
+
+
+def dict_batches(count: int) -> list[dict[str, Any]]:
+    out = []
+    for batch in batches(count):
+        ids = batch.sparse_features.to_dict()
+        user = KeyedJaggedTensor.from_jt_dict({"f_a": ids["f_a"]})
+        item = KeyedJaggedTensor.from_jt_dict({"f_b": ids["f_b"]})
+        features = {"user": user, "item": (item,)}
+        out.append({"dense": batch.dense_features, "features": features, "labels": batch.labels})
+    return out
+
+
+def test_learns_each_modules_input_from_the_first_batch() -> None:
+    """TorchRec's pipeline finds each sharded module's input by tracing the model; embshard's
+    learns it from the first batch (run as the plain loop) and pipelines the rest."""
+    data = dict_batches(4)
+    model, reference = two_towers(), two_towers()
+    events: list[tuple[str, int]] = []
+    users = model.sharded_modules["users"]
+    original = users.input_dist
+
+    def spy(ctx: Any, features: KeyedJaggedTensor) -> Any:
+        index = [b["features"]["user"].values() for b in data]
+        events.append(("input_dist", [v is features.values() for v in index].index(True)))
+        return original(ctx, features)
+
+    users.input_dist = spy  # type: ignore[method-assign]
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    it = iter(data)
+    outputs = []
+    for step in range(4):
+        outputs.append(pipeline.progress(it))
+        events.append(("step", step))
+    learned = {path: str(where) for path, where in (pipeline._inputs.learned or {}).items()}
+    assert learned == {
+        "users": "batch['features']['user']",
+        "items": "batch['features']['item'][0]",
+    }
+    assert events == [
+        ("input_dist", 0),  # batch 0 runs as the plain loop: its own input dist
+        ("input_dist", 1),  # learned: batch 1's input dist before batch 0's backward
+        ("step", 0),
+        ("input_dist", 2),
+        ("step", 1),
+        ("input_dist", 3),
+        ("step", 2),
+        ("step", 3),
+    ]
+    for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
+        assert torch.equal(out, expected)
+    for key, value in model.state_dict().items():
+        ref = reference.state_dict()[key]
+        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
+        assert torch.equal(mine, theirs), key
+
+
+def test_learned_paths_are_checked_on_every_batch() -> None:
+    model = two_towers()
+    pipeline = TrainPipelineSparseDist(model, model.optimizer(), "cpu")
+    data = dict_batches(3)
+    data[2] = {**data[2], "features": {"user": data[2]["features"]["user"]}}
+    with pytest.raises(TypeError, match=r"input at batch\['features'\]\['item'\]\[0\].*sparse_of"):
+        run(pipeline, iter(data))
+    wrong = dict_batches(3)
+    wrong[2]["features"]["user"] = torch.zeros(1)
+    again = TrainPipelineSparseDist(two_towers(), model.optimizer(), "cpu")
+    with pytest.raises(TypeError, match=r"'users' reads batch\['features'\]\['user'\].*Tensor"):
+        run(again, iter(wrong))
+
+
+def test_find_in_batch_walks_attributes_keys_and_items() -> None:
+    kjt = batches(1)[0].sparse_features
+    point = namedtuple("point", ["x", "y"])
+    assert str(find_in_batch(Batch(torch.zeros(1), kjt, torch.zeros(1)), kjt)) == (
+        "batch.sparse_features"
+    )
+    assert str(find_in_batch({"a": [point(1, kjt)]}, kjt)) == "batch['a'][0].y"
+    assert find_in_batch({"a": kjt.to_dict()}, kjt) is None  # equal values are not the object
+    assert find_in_batch([[[[[kjt]]]]], kjt) is None  # deeper than four steps
+    assert str(find_in_batch(kjt, kjt)) == "batch"
 
 
 def test_sparse_of_checks_its_answer_and_may_leave_modules_out() -> None:
@@ -390,7 +528,9 @@ def test_semi_sync_looks_up_the_next_batch_before_this_backward() -> None:
         return step(*args, **kwargs)
 
     optimizer.step = spy_step  # type: ignore[method-assign]
-    pipeline = TrainPipelineSemiSync(model, optimizer, "cpu", start_batch=1)
+    pipeline = TrainPipelineSemiSync(
+        model, optimizer, "cpu", start_batch=1, sparse_of=lambda b: b.sparse_features
+    )
     outputs = run(pipeline, iter(data))
     assert len(outputs) == 4 and len(index) == 4
     assert events == [
@@ -451,3 +591,87 @@ def test_gradient_accumulation_wrapper_refuses_what_it_cannot_keep_apart() -> No
     off = GradientAccumulationWrapper(plain, model.optimizer(), model, GradientAccumulationConfig())
     assert not GradientAccumulationConfig().is_enabled
     assert len(run(off, iter(batches(3)))) == 3  # disabled: the pipeline's own steps
+
+
+# TorchRec 1.8.0's constructor parameters, in order (inspect.signature of its classes).
+TORCHREC_PARAMETERS = {
+    TrainPipelineSparseDist: (
+        "model optimizer device execute_all_batches apply_jit context_type pipeline_postproc "
+        "custom_model_fwd dmp_collection_sync_interval_batches enqueue_batch_after_forward "
+        "enable_inplace_copy_batch free_features_storage_early clear_data_dist_inputs"
+    ),
+    TrainPipelineSemiSync: (
+        "model optimizer device execute_all_batches apply_jit start_batch stash_gradients "
+        "pipeline_postproc custom_model_fwd strict dmp_collection_sync_interval_batches "
+        "enable_inplace_copy_batch free_features_storage_early clear_data_dist_inputs"
+    ),
+    EvalPipelineSparseDist: (
+        "model optimizer device apply_jit pipeline_postproc enable_inplace_copy_batch "
+        "free_features_storage_early clear_data_dist_inputs"
+    ),
+    TrainPipelineBase: "model optimizer device custom_model_fwd enable_inplace_copy_batch",
+}
+
+
+@pytest.mark.parametrize("cls", list(TORCHREC_PARAMETERS), ids=lambda c: c.__name__)
+def test_constructors_take_torchrecs_arguments_in_its_order(cls: type) -> None:
+    """A TorchRec call, positional or by keyword, binds to the same parameters here; embshard's
+    own come after them, keyword-only."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    torchrec = TORCHREC_PARAMETERS[cls].split()
+    assert [p.name for p in parameters[: len(torchrec)]] == torchrec
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[len(torchrec) :])
+    defaults = {p.name: p.default for p in parameters}
+    if "pipeline_postproc" in defaults:
+        assert defaults["pipeline_postproc"] is (cls is TrainPipelineSemiSync)
+    assert defaults.get("dmp_collection_sync_interval_batches", 1) == 1
+    assert defaults.get("apply_jit", False) is False
+
+
+def test_refuses_the_torchrec_options_it_cannot_honour() -> None:
+    model = sharded()
+    with pytest.raises(ValueError, match=r"apply_jit=True.*torch.compile"):
+        TrainPipelineSparseDist(model, model.optimizer(), "cpu", True, True)
+    with pytest.raises(ValueError, match=r"apply_jit=True"):
+        EvalPipelineSparseDist(model, model.optimizer(), "cpu", True)
+    with pytest.raises(ValueError, match=r"context_type=.*no per-batch TrainPipelineContext"):
+        TrainPipelineSparseDist(model, model.optimizer(), "cpu", context_type=dict)
+    with pytest.raises(ValueError, match=r"dmp_collection_sync_interval_batches must be an int"):
+        TrainPipelineSemiSync(
+            model, model.optimizer(), "cpu", dmp_collection_sync_interval_batches=0
+        )
+    with pytest.raises(ValueError, match=r"enqueue_batch_after_forward=True with accumulate"):
+        TrainPipelineSparseDist(
+            model,
+            model.optimizer(),
+            "cpu",
+            enqueue_batch_after_forward=True,
+            accumulate_grad_batches=2,
+        )
+
+
+def test_torchrec_hints_leave_results_as_the_plain_loop() -> None:
+    """TorchRec's memory and scheduling hints, passed positionally as a TorchRec script does:
+    the batch after next is taken after this forward, and the results are unchanged."""
+    data = batches(5)
+    model, reference = sharded(), sharded()
+    taken: list[int] = []
+
+    def counted() -> Iterator[Batch]:
+        for index, batch in enumerate(data):
+            taken.append(index)
+            yield batch
+
+    forwards = model.module.seen
+    pipeline = TrainPipelineSparseDist(
+        model, model.optimizer(), "cpu", True, False, None, True, None, 1, True, True, True, True
+    )
+    it = counted()
+    outputs = []
+    for step in range(5):
+        outputs.append(pipeline.progress(it))
+        if step == 1:
+            # batch 3 is taken after batch 1's forward (the first two were taken to fill)
+            assert len(forwards) == 2 and taken == [0, 1, 2, 3]
+    for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
+        assert torch.equal(out, expected)

@@ -37,6 +37,8 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         optimizer: zeroed before and stepped after each backward.
         device: where batches are copied and the step runs.
         custom_model_fwd: ``batch -> (loss, output)`` to call instead of ``model``.
+        enable_inplace_copy_batch: TorchRec's memory hint; batches are copied to fresh
+            tensors here, with the same results.
     """
 
     def __init__(
@@ -44,8 +46,8 @@ class TrainPipelineBase(TrainPipeline[In, Out]):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         device: torch.device | str,
-        *,
         custom_model_fwd: Callable[[In], tuple[Tensor, Out]] | None = None,
+        enable_inplace_copy_batch: bool = False,
     ) -> None:
         self._model = model
         self._optimizer = optimizer

@@ -147,7 +147,7 @@ def check_call(
         raise ValueError(
             f"{owner}: the sharded module {path!r} was called with "
             f"{_describe(input, kwargs)}, not with the KeyedJaggedTensor the pipeline read "
-            "from the batch and distributed ahead (batch.sparse_features, or sparse_of); it "
+            "from the batch and distributed ahead (where the first batch held it, or sparse_of); it "
             "can only prefetch an input the model passes on unchanged. Give sparse_of the "
             "very KeyedJaggedTensor the model passes this module, leave the module out of "
             "sparse_of's mapping (it then distributes its own input), or train with the "

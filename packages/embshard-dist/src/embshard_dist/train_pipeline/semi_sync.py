@@ -42,8 +42,10 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     stale (see the module docstring); not bit-equal to the plain loop once semi-synchronous.
 
     Args:
-        model, optimizer, device, execute_all_batches, custom_model_fwd, sparse_of: as
-            :class:`TrainPipelineSparseDist`'s.
+        model, optimizer, device, execute_all_batches, custom_model_fwd, sparse_of and
+            TorchRec's other arguments (``apply_jit``, ``pipeline_postproc``,
+            ``dmp_collection_sync_interval_batches``, ...): as
+            :class:`TrainPipelineSparseDist`'s, in TorchRec's order.
         start_batch: the first batch (counted from 0 over the pipeline's life) whose lookup runs
             before the previous batch's backward; the batches before it train synchronously
             (TorchRec's default, 900: a short synchronous start lowers early loss).
@@ -64,12 +66,18 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         optimizer: torch.optim.Optimizer,
         device: torch.device | str,
         execute_all_batches: bool = True,
+        apply_jit: bool = False,
         start_batch: int = 900,
         stash_gradients: bool = False,
-        *,
+        pipeline_postproc: bool = True,
         custom_model_fwd: Callable[[In], tuple[Tensor, Out]] | None = None,
-        sparse_of: SparseOf | None = None,
         strict: bool = False,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        sparse_of: SparseOf | None = None,
     ) -> None:
         if isinstance(start_batch, bool) or not isinstance(start_batch, int) or start_batch < 0:
             raise ValueError(
@@ -81,7 +89,13 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             optimizer,
             device,
             execute_all_batches,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
             custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
             sparse_of=sparse_of,
         )
         self._start_batch = start_batch
@@ -104,7 +118,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self._optimizer.zero_grad()
         if len(self._batches) > 2:
             self._start_dist(self._batches[2])
-        with serving(self._modules, self._stand_ins_of(current), _OWNER):
+        with serving(self._modules, self._stand_ins_of(current), _OWNER), self._learning(current):
             losses, output = self._model_fwd(current.batch)
         self._batches.popleft()
         self._enqueue(dataloader_iter)
@@ -118,6 +132,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             _embedding_backward(current.embeddings)
             if semi_sync and self._stash_gradients:
                 self._swap_gradients()
+            self._sync_replicas()
             if not (self._stash_gradients and current.index == self._start_batch):
                 self._optimizer.step()
         current.embeddings.clear()
@@ -145,7 +160,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     def _start_lookups(self, flight: _InFlight) -> None:
         """Every pipelined module's lookup and output dist for ``flight``, on the current
-        stream, with the tables as they are now."""
+        stream, with the tables as they are now (its input dist first if not started)."""
+        self._start_values(flight)
         for path, prepared in flight.inputs.items():
             flight.lookups[path] = prepared.lookup(self._modules[path], self._streams.dist)
 

@@ -28,6 +28,7 @@ from embshard_dist.train_pipeline.interface import (
     next_on_device,
     total_loss,
 )
+from embshard_dist.train_pipeline.options import PipelineOptions
 from embshard_dist.train_pipeline.pipelined_forward import (
     PipelinedForward,
     PreparedInput,
@@ -73,9 +74,14 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         execute_all_batches: when the iterator ends, still run the batches already in the
             pipeline (default); ``False``: the first ``progress`` after the iterator ended
             raises ``StopIteration``, dropping the batch whose input dist had started.
+        apply_jit, context_type, pipeline_postproc, dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward, enable_inplace_copy_batch,
+            free_features_storage_early, clear_data_dist_inputs: TorchRec's, in its order; see
+            :mod:`~embshard_dist.train_pipeline.options` for what each does here.
         custom_model_fwd: ``batch -> (loss, output)`` to call instead of ``model``.
-        sparse_of: which KeyedJaggedTensor of a batch each sharded module reads (default
-            ``batch.sparse_features``); see :mod:`~embshard_dist.train_pipeline.sparse_inputs`.
+        sparse_of: which KeyedJaggedTensor of a batch each sharded module reads; default:
+            learned from the first batch, which then runs as the plain loop (TorchRec learns it
+            by tracing the model); see :mod:`~embshard_dist.train_pipeline.sparse_inputs`.
         accumulate_grad_batches: micro-batches (``progress`` calls) per optimizer step. The
             first ``k - 1`` of each step run inside :func:`~embshard_dist.dmp.accumulation.
             no_sync` (the tables keep their row gradients, DDP does not all-reduce); the
@@ -88,7 +94,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
 
     Raises:
         ValueError: ``model`` holds no sharded module; ``accumulate_grad_batches`` is not an
-            int >= 1.
+            int >= 1; an option embshard cannot honour (``apply_jit=True``, a
+            ``context_type``).
     """
 
     _trains = True
@@ -100,14 +107,38 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         optimizer: torch.optim.Optimizer,
         device: torch.device | str,
         execute_all_batches: bool = True,
-        *,
+        apply_jit: bool = False,
+        context_type: Any = None,
+        pipeline_postproc: bool = False,
         custom_model_fwd: Callable[[In], tuple[Tensor, Out]] | None = None,
+        dmp_collection_sync_interval_batches: int | None = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
         sparse_of: SparseOf | None = None,
         accumulate_grad_batches: int = 1,
     ) -> None:
-        self._accumulate = check_accumulate_grad_batches(
-            accumulate_grad_batches, "TrainPipelineSparseDist"
-        )
+        owner = type(self).__name__
+        self._options = PipelineOptions(
+            apply_jit,
+            context_type,
+            pipeline_postproc,
+            dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward,
+            enable_inplace_copy_batch,
+            free_features_storage_early,
+            clear_data_dist_inputs,
+        ).check(owner)
+        self._accumulate = check_accumulate_grad_batches(accumulate_grad_batches, owner)
+        if self._accumulate > 1 and enqueue_batch_after_forward:
+            raise ValueError(
+                f"{owner}: enqueue_batch_after_forward=True with accumulate_grad_batches > 1: "
+                "the pipeline must know before a forward whether the data has ended (the last "
+                "micro-batch completes the step); pass one of them only"
+            )
+        self._steps = 0  # optimizer steps taken
         self._micro_batch = 0  # micro-batches of the current optimizer step already run
         self._model = model
         self._optimizer = optimizer
@@ -167,17 +198,22 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         following = self._batches[1] if len(self._batches) > 1 else None
         if following is not None:
             self._start_dist(following)
-        self._enqueue(dataloader_iter)
+        after_forward = self._options.enqueue_batch_after_forward
+        if not after_forward:
+            self._enqueue(dataloader_iter)
         steps = not training or self._completes_step()
         with self._accumulating(not steps):
-            with serving(self._modules, self._stand_ins(current)):
+            with serving(self._modules, self._stand_ins(current)), self._learning(current):
                 losses, output = self._model_fwd(current.batch)
+            if after_forward:
+                self._enqueue(dataloader_iter)
             if following is not None:
                 self._start_values(following)
             if training:
                 loss = total_loss(losses)
                 (loss / self._accumulate if self._accumulate > 1 else loss).backward()
         if training and steps:
+            self._sync_replicas()
             self._optimizer.step()
             self._micro_batch = 0
         elif training:
@@ -199,6 +235,18 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         current = self._batches[0]
         hand_over(current.batch, self._streams.dist)
         return current
+
+    def _sync_replicas(self) -> None:
+        """Before an optimizer step: sync a ``DMPCollection``'s replicas every
+        ``dmp_collection_sync_interval_batches`` steps (TorchRec's schedule); count the step."""
+        if self._options.syncs_replicas(self._model, self._steps):
+            self._model.sync()  # type: ignore[operator]
+        self._steps += 1
+
+    def _learning(self, flight: _InFlight) -> AbstractContextManager[None]:
+        """Around the first batch's forward, unless ``sparse_of`` was given: learn where each
+        sharded module's input lives in a batch (that batch runs as the plain loop)."""
+        return self._inputs.learning(flight.batch)
 
     def _stand_ins(self, flight: _InFlight) -> dict[str, PipelinedForward]:
         """The forwards that run ``flight``'s modules on their prepared inputs."""
@@ -253,8 +301,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         return True
 
     def _start_dist(self, flight: _InFlight) -> None:
-        """Phase 1 of every pipelined module's input dist, on the input-dist stream."""
-        if flight.started:
+        """Phase 1 of every pipelined module's input dist, on the input-dist stream (once;
+        not before the pipeline knows where the inputs are)."""
+        if flight.started or not self._inputs.ready:
             return
         flight.started = True
         dist = self._streams.dist
@@ -264,7 +313,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
                 flight.inputs[path] = start_input_dist(self._modules[path], features)
 
     def _start_values(self, flight: _InFlight) -> None:
-        """Phase 2 of every pipelined module's input dist, on the input-dist stream."""
+        """Phase 2 of every pipelined module's input dist, on the input-dist stream (phase 1
+        first if it has not started)."""
+        self._start_dist(flight)
         with on_stream(self._streams.dist):
             for prepared in flight.inputs.values():
                 prepared.start_values()
@@ -281,6 +332,36 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """TorchRec's evaluation pipeline: forward only, in any mode, with the next batch's input
     dist (and, on CUDA, its copy) overlapped. Gradients are recorded or not as the caller's
-    grad mode says (wrap the loop in ``torch.no_grad()``); ``optimizer`` is never used."""
+    grad mode says (wrap the loop in ``torch.no_grad()``); ``optimizer`` is never used.
+    TorchRec's arguments in TorchRec's order (every batch is run, as TorchRec's does), then
+    embshard's ``custom_model_fwd`` and ``sparse_of`` by keyword."""
 
     _trains = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device | str,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        custom_model_fwd: Callable[[In], tuple[Tensor, Out]] | None = None,
+        sparse_of: SparseOf | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=True,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            custom_model_fwd=custom_model_fwd,
+            sparse_of=sparse_of,
+        )
