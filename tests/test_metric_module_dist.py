@@ -8,12 +8,16 @@ unequal batch counts and sizes, and rank 1 no samples of one task after the firs
 rank its own samples' values. With
 ``compute_on_all_ranks=False`` only rank 0 gets the rec metric values. Each rank's
 ``state_dict()`` loaded into a fresh module gives the same lifetime values. The adjusted compute
-interval is the largest the ranks propose.
+interval is the largest the ranks propose. ``get_pre_compute_states`` gives every rank the sum
+of the ranks' own states (a group, a ``DeviceMesh`` or the default), and a module on a group of
+one rank that loads them computes what the two ranks compute; ``sync()`` swaps in the same sums
+and refuses update and compute until ``unsync()`` gives each rank its own states back.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 from _mp import run_on_ranks, test_device
 from test_metrics_dist import windowed
+from torch.distributed.device_mesh import init_device_mesh
 
 from embshard_dist.metrics import (
     AccuracyMetric,
@@ -226,3 +231,159 @@ def _adjust() -> int:
 
 def test_the_adjusted_compute_interval_is_the_largest_proposed() -> None:
     assert run_on_ranks(WORLD, _adjust_on_rank) == [60, 60]
+
+
+# ---- pre-compute states and sync across ranks ---------------------------------------------
+
+SMALL_AUC = {RecMetricEnum.AUC: RecMetricDef(rec_task_indices=[0, 1], window_size=WINDOW,
+                                             arguments={"num_bins": 1024})}  # fmt: skip
+States = dict[str, dict[str, dict[str, torch.Tensor]]]
+
+
+def small_config() -> MetricsConfig:
+    """``config()`` with small AUC tables (they travel back to the test process)."""
+    return config(rec_metrics={**config().rec_metrics, **SMALL_AUC})
+
+
+def cpu(states: States) -> States:
+    return {ns: {t: {k: v.cpu() for k, v in s.items()} for t, s in ts.items()} for ns, ts in states.items()}  # fmt: skip
+
+
+def updated_module() -> RecMetricModule:
+    module = generate(small_config())
+    for out in model_outs(dist.get_rank()):
+        module.update({k: v.to(test_device()) for k, v in out.items()})
+    return module
+
+
+def _pre_compute_on_rank() -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", COMPUTE_BEFORE_UPDATE, UserWarning)
+        return _pre_compute()
+
+
+def _pre_compute() -> dict[str, Any]:
+    rank = dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(WORLD)]  # every rank joins every new_group
+    both = dist.new_group(list(range(WORLD)))
+    mesh = init_device_mesh(test_device().type, (WORLD,), mesh_dim_names=("shard",))
+    module = updated_module()
+    summed = module.get_pre_compute_states(both)
+    loader = generate_metric_module(
+        metric_class=RecMetricModule,
+        metrics_config=small_config(),
+        batch_size=BATCH,
+        world_size=1,
+        my_rank=0,
+        state_metrics_mapping={},
+        device=test_device(),
+        process_group=singles[rank],  # metrics that do not reduce again
+    )
+    loader.load_pre_compute_states(summed)
+    return {
+        "own": cpu(module.get_pre_compute_states(singles[rank])),
+        "summed": cpu(summed),
+        "mesh": cpu(module.get_pre_compute_states(mesh)),
+        "default": cpu(module.get_pre_compute_states()),
+        "computed": floats(module.compute()),
+        "loaded": floats(loader.compute()),
+    }
+
+
+def _leaves(states: States) -> dict[tuple[str, str, str], torch.Tensor]:
+    return {(ns, t, k): v for ns, ts in states.items() for t, s in ts.items() for k, v in s.items()}
+
+
+def _same(a: dict[str, float], b: dict[str, float]) -> bool:
+    return a.keys() == b.keys() and all(
+        (math.isnan(v) and math.isnan(b[k])) or v == pytest.approx(b[k], rel=1e-12, abs=0)
+        for k, v in a.items()
+    )
+
+
+def test_pre_compute_states_are_the_sums_over_the_ranks_and_load_elsewhere() -> None:
+    results = run_on_ranks(WORLD, _pre_compute_on_rank)
+    own = [_leaves(r["own"]) for r in results]
+    assert len(own[0]) == 2 * (2 + 2 + 2 + 2) + 9  # lifetime and window per metric and task
+    assert not torch.equal(own[0][("ne", "click", "lifetime")], own[1][("ne", "click", "lifetime")])
+    for result in results:
+        for name in ("summed", "mesh", "default"):
+            got = _leaves(result[name])
+            assert got.keys() == own[0].keys()
+            for key, value in got.items():  # the sum of each rank's own states, on every rank
+                assert torch.allclose(value, own[0][key] + own[1][key], rtol=1e-12, atol=0), key
+    throughput = _leaves(results[0]["summed"])
+    steps = sum(len(s) for s in SIZES.values())
+    assert float(throughput[("throughput", "throughput", "total_examples")]) == steps * BATCH
+    assert float(throughput[("throughput", "throughput", "warmup_examples")]) == WORLD * BATCH
+    for result in results:  # a module of one rank, loaded, computes what the two ranks do
+        assert _same(result["loaded"], result["computed"])
+    assert "throughput-throughput|attempt_throughput" in results[0]["loaded"]
+    want = expected()
+    for key in ("ne-click|lifetime_ne", "calibration-like|window_calibration"):
+        assert results[0]["loaded"][key] == pytest.approx(want[key], rel=1e-9)
+
+
+def _sync_on_rank() -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", COMPUTE_BEFORE_UPDATE, UserWarning)
+        return _sync()
+
+
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _sync() -> dict[str, Any]:
+    module = updated_module()
+    window = module.rec_metrics[0].computation("click")  # NE of click
+    own_window = window.window_table().cpu()
+    before = floats(module.compute())
+    local = {k: v.cpu().clone() for k, v in module.state_dict().items()}
+    module.sync()
+    synced = {k: v.cpu().clone() for k, v in module.state_dict().items()}
+    synced_window = window.window.cpu().clone()
+    out = model_outs(dist.get_rank())[0]
+    refusals = [
+        _refusal(lambda: module.update({k: v.to(test_device()) for k, v in out.items()})),
+        _refusal(module.compute),
+        _refusal(module.sync),
+        _refusal(module.get_pre_compute_states),
+    ]
+    module.unsync()
+    return {
+        "local": local,
+        "synced": synced,
+        "own_window": own_window,
+        "synced_window": synced_window,
+        "refusals": refusals,
+        "unsynced": {k: v.cpu() for k, v in module.state_dict().items()},
+        "before": before,
+        "after": floats(module.compute()),  # update and compute work again
+    }
+
+
+def test_sync_swaps_in_the_sums_over_the_ranks_until_unsync() -> None:
+    results = run_on_ranks(WORLD, _sync_on_rank)
+    local = [r["local"] for r in results]
+    for result in results:
+        for key, value in result["synced"].items():
+            if key.startswith("throughput_metric."):  # not synced, as in TorchRec
+                assert torch.equal(value, result["local"][key]), key
+            else:
+                assert torch.allclose(value, local[0][key] + local[1][key], rtol=1e-12, atol=0)
+        own = results[0]["own_window"] + results[1]["own_window"]
+        assert torch.allclose(result["synced_window"], own, rtol=1e-12, atol=0)
+        assert all(torch.equal(v, result["local"][k]) for k, v in result["unsynced"].items())
+        update, compute, sync, states = result["refusals"]
+        assert re.search(r"RecMetricModule.update: .*since sync\(\); call unsync\(\) first", update)
+        assert re.search(r"RecMetricModule.compute: .*call unsync\(\) first", compute)
+        assert "RecMetricModule.sync: already synced" in sync
+        assert "RecMetricModule.get_pre_compute_states: " in states
+        assert _same(result["after"], result["before"])
+    assert not torch.equal(local[0]["rec_metrics.rec_metrics.0.computations.0.lifetime"],
+                           local[1]["rec_metrics.rec_metrics.0.computations.0.lifetime"])  # fmt: skip

@@ -26,6 +26,7 @@ from embshard_dist.metrics import (
     RecMetric,
     RecMetricDef,
     RecMetricEnum,
+    RecMetricException,
     RecMetricList,
     RecMetricModule,
     RecTaskInfo,
@@ -35,6 +36,7 @@ from embshard_dist.metrics import (
     WarmupThroughputMetric,
     generate_metric_module,
 )
+from embshard_dist.metrics.ne import cross_entropy_sum
 
 # a metric computed with no update since its reset or load: torchmetrics warns, the values stand
 pytestmark = pytest.mark.filterwarnings("ignore:The ``compute`` method of metric:UserWarning")
@@ -206,8 +208,10 @@ def test_default_config_is_torchrecs() -> None:
         "ne-DefaultTask|lifetime_ne",
         "ne-DefaultTask|window_ne",
         "throughput-throughput|total_examples",  # rates follow after 100 warm-up steps
+        "throughput-throughput|attempt_examples",  # TorchRec 1.8 reports it always
     }
     assert float(got["throughput-throughput|total_examples"]) == BATCH
+    assert float(got["throughput-throughput|attempt_examples"]) == BATCH
 
 
 def test_throughput_warmup_and_rates() -> None:
@@ -491,7 +495,11 @@ for step in range(8):
     metric_module.update(model_out)
     if metric_module.should_compute():
         logged.append({k: float(v) for k, v in metric_module.compute().items()})
+metric_module.sync()  # the job's tables (on one process: this process's)
+synced = metric_module.state_dict()
+metric_module.unsync()
 checkpoint = metric_module.state_dict()
+metric_module.shutdown()
 """
 
 
@@ -521,4 +529,230 @@ def test_a_torchrec_metrics_script_runs_with_its_imports_changed() -> None:
         assert log["throughput-throughput|total_examples"] == 32 * upto
         assert {"ne-ctr|window_ne", "auc-ctr|lifetime_auc"} <= set(log)
     assert "throughput-throughput|lifetime_throughput" in logged[1]  # past the 2 warm-up steps
-    assert len(namespace["checkpoint"]) == 4
+    checkpoint = namespace["checkpoint"]
+    assert len(checkpoint) == 4 + 3  # a table per metric, and TorchRec's throughput buffers
+    assert float(checkpoint["throughput_metric.total_examples"]) == 8 * 32
+    assert float(checkpoint["throughput_metric.warmup_examples"]) == 2 * 32
+    assert float(checkpoint["throughput_metric.time_lapse_after_warmup"]) > 0
+    assert all(torch.equal(v, checkpoint[k]) for k, v in namespace["synced"].items())
+
+
+# ---- throughput: counters checkpointed, TorchRec's attempt keys ----------------------------
+
+T = "throughput-throughput|"
+
+
+def clocked(now: list[float]) -> RecMetricModule:
+    """Throughput alone: 8 examples a step, 2 warm-up steps, a 1.5 s window."""
+    throughput = WarmupThroughputMetric(8, warmup_steps=2, window_seconds=1.5, clock=lambda: now[0])
+    return RecMetricModule(8, 1, throughput_metric=throughput)
+
+
+def test_throughput_counters_are_checkpointed_and_the_lifetime_rate_carries_over() -> None:
+    now = [0.0]
+    saved = clocked(now)
+    for t in (1.0, 2.0, 3.0, 5.0):  # warm-up at 1 s and 2 s; the rates count from 2 s
+        now[0] = t
+        saved.update({})
+    state = saved.state_dict()
+    assert floats(state) == {
+        "throughput_metric.total_examples": 32,
+        "throughput_metric.warmup_examples": 16,
+        "throughput_metric.time_lapse_after_warmup": 3.0,
+    }
+    assert close(
+        floats(saved.compute()),
+        {f"{T}total_examples": 32, f"{T}attempt_examples": 32, f"{T}lifetime_throughput": 16 / 3,
+         f"{T}window_throughput": 8 / 1.5, f"{T}attempt_throughput": 16 / 3},
+    )  # fmt: skip
+
+    later = [100.0]
+    restarted = clocked(later)
+    restarted.load_state_dict(state)
+    for t in (110.0, 111.0):  # this attempt's warm-up: no rates yet, as in TorchRec
+        later[0] = t
+        restarted.update({})
+    assert floats(restarted.compute()) == {f"{T}total_examples": 48, f"{T}attempt_examples": 16}
+    later[0] = 113.0
+    restarted.update({})
+    # lifetime: 56 - 32 examples after warm-up over 3 + 2 s; this attempt: 8 over 2 s
+    assert close(
+        floats(restarted.compute()),
+        {f"{T}total_examples": 56, f"{T}attempt_examples": 24, f"{T}lifetime_throughput": 24 / 5,
+         f"{T}window_throughput": 8 / 1.5, f"{T}attempt_throughput": 4.0},
+    )  # fmt: skip
+    assert [float(v) for v in restarted.state_dict().values()] == [56, 32, 5.0]
+
+
+def test_load_state_dict_checks_the_throughput_counters_before_anything_loads() -> None:
+    cfg = config(throughput_metric=ThroughputDef(window_size=60, warmup_steps=1))
+    saved = generate(cfg)
+    saved.update(model_out(0))
+    state = saved.state_dict()
+    assert {k for k in state if k.startswith("throughput_metric.")} == {
+        "throughput_metric.total_examples",
+        "throughput_metric.warmup_examples",
+        "throughput_metric.time_lapse_after_warmup",
+    }
+    target = generate(cfg)
+    for s in (1, 2):
+        target.update(model_out(s))
+    before = snapshot(target)
+    counters = {k: v.clone() for k, v in target.state_dict().items()}
+    bad = {**state, "throughput_metric.total_examples": torch.zeros(2)}
+    with pytest.raises(
+        RuntimeError,
+        match=r"throughput_metric.total_examples: want a tensor of one value, got \(2,\)",
+    ):
+        target.load_state_dict(bad)
+    partial = {k: v for k, v in state.items() if k != "throughput_metric.warmup_examples"}
+    with pytest.raises(RuntimeError, match=r"missing keys \['throughput_metric.warmup_examples'\]"):
+        target.load_state_dict(partial)
+    assert close(snapshot(target)[1], before[1])
+    assert all(torch.equal(v, counters[k]) for k, v in target.state_dict().items())
+    result = target.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["throughput_metric.warmup_examples"]
+    assert float(target.state_dict()["throughput_metric.total_examples"]) == BATCH
+
+
+# ---- pre-compute states, sync, async_compute, shutdown --------------------------------------
+
+
+def with_throughput() -> MetricsConfig:
+    return config(throughput_metric=ThroughputDef(window_size=60, warmup_steps=1))
+
+
+def ne_table(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """NE's table of task click by hand: [sum of w * cross entropy, positives, negatives]."""
+    p = torch.cat([b["click_pred"].reshape(-1) for b in batches]).double()
+    y = torch.cat([b["click_label"] for b in batches]).double()
+    w = torch.cat([b["click_w"] for b in batches]).double()
+    return torch.stack([cross_entropy_sum(p, y, w), (w * y).sum(), (w * (1 - y)).sum()])[None]
+
+
+def test_pre_compute_states_hold_every_table_and_load_into_another_module() -> None:
+    module = generate(with_throughput())
+    batches = [model_out(s) for s in range(4)]
+    for out in batches:
+        module.update(out)
+    states = module.get_pre_compute_states()
+    assert {ns: sorted(tasks) for ns, tasks in states.items()} == {
+        "ne": ["click", "like"], "auc": ["click", "like"], "accuracy": ["click", "like"],
+        "calibration": ["click"], "throughput": ["throughput"],
+    }  # fmt: skip
+    assert set(states["auc"]["like"]) == {"lifetime", "window"}
+    ne = states["ne"]["click"]
+    assert torch.allclose(ne["lifetime"], ne_table(batches), rtol=1e-12, atol=0)
+    assert torch.allclose(ne["window"], ne_table(batches[-2:]), rtol=1e-12, atol=0)
+    counters = floats(states["throughput"]["throughput"])
+    assert counters["total_examples"] == 4 * BATCH and counters["warmup_examples"] == BATCH
+    assert counters["attempt_examples"] == 4 * BATCH and counters["lifetime_rate"] > 0
+
+    loaded = generate(with_throughput())
+    loaded.update(model_out(50))  # replaced by the load
+    loaded.load_pre_compute_states(states)
+    ne["lifetime"].zero_()  # the module holds copies
+    expected = floats(module.compute())
+    assert close(floats(loaded.compute()), expected)
+    assert f"{T}lifetime_throughput" in expected and f"{T}attempt_throughput" in expected
+
+    module.update(model_out(7))  # the loaded window stands until the next update
+    loaded.update(model_out(7))
+    after, want = floats(loaded.compute()), floats(module.compute())
+    lifetime = [k for k in want if "lifetime" in k and not k.startswith(T)]
+    assert close({k: after[k] for k in lifetime}, {k: want[k] for k in lifetime})
+    fresh = generate()
+    fresh.update(model_out(7))
+    window = {k: v for k, v in floats(fresh.compute()).items() if "window" in k}
+    assert close({k: after[k] for k in window}, window)
+
+
+def _drop(path: tuple[str, ...]) -> Any:
+    def mutate(s: dict[str, Any]) -> None:
+        inner = s
+        for key in path[:-1]:
+            inner = inner[key]
+        del inner[path[-1]]
+
+    return mutate
+
+
+def _set(path: tuple[str, ...], value: Any) -> Any:
+    def mutate(s: dict[str, Any]) -> None:
+        inner = s
+        for key in path[:-1]:
+            inner = inner[key]
+        inner[path[-1]] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_set(("mse",), {}), r"source has unknown metrics \['mse'\] \(this module's: \['ne', 'auc', 'accuracy', 'calibration', 'throughput'\]\)"),
+        (_drop(("throughput",)), r"source lacks metrics \['throughput'\]"),
+        (_drop(("auc", "like")), r"source\['auc'\] lacks tasks \['like'\] \(this module's: \['click', 'like'\]\)"),
+        (_set(("ne", "click", "cross_entropy_sum"), torch.zeros(1)),
+         r"source\['ne'\]\['click'\] has unknown states \['cross_entropy_sum'\] \(this module's: \['lifetime', 'window'\]\)"),
+        (_set(("auc", "click", "window"), torch.zeros(9, 2)),
+         r"source\['auc'\]\['click'\]\['window'\] must be a tensor of shape \(1048577, 2\), got shape \(9, 2\)"),
+        (_set(("throughput", "throughput", "total_examples"), 5),
+         r"\['total_examples'\] must be a tensor of shape \(\), got int"),
+        (_set(("calibration",), [torch.zeros(1, 2)]), r"source\['calibration'\] must be a dict of tasks \['click'\], got list"),
+    ],
+)  # fmt: skip
+def test_load_pre_compute_states_refuses_a_source_that_does_not_fit(
+    mutate: Any, message: str
+) -> None:
+    source = generate(with_throughput())
+    source.update(model_out(0))
+    states: dict[str, Any] = {
+        ns: {task: dict(values) for task, values in tasks.items()}
+        for ns, tasks in source.get_pre_compute_states().items()
+    }
+    mutate(states)
+    target = generate(with_throughput())
+    target.update(model_out(1))
+    before = (snapshot(target), floats(target.compute()))
+    with pytest.raises(ValueError, match=r"load_pre_compute_states: nothing loaded.*" + message):
+        target.load_pre_compute_states(states)
+    with pytest.raises(ValueError, match=r"source must be a dict of metrics"):
+        target.load_pre_compute_states([])  # type: ignore[arg-type]
+    after = (snapshot(target), floats(target.compute()))
+    assert after[0][0] == before[0][0] and close(after[0][1], before[0][1])
+    assert close(after[1], before[1])
+
+
+def test_sync_on_one_process_keeps_the_states() -> None:
+    module = generate(with_throughput())
+    for s in range(3):
+        module.update(model_out(s))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    local = floats(module.local_compute())
+    module.sync()  # no process group: nothing to sum with
+    assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+    module.unsync()
+    module.unsync()  # unsynced already: nothing to do, as TorchRec
+    module.update(model_out(3))
+    again = generate(with_throughput())
+    for s in range(4):
+        again.update(model_out(s))
+    assert close(floats(module.local_compute()), floats(again.local_compute()))
+    assert not close(floats(module.local_compute()), local)
+
+
+def test_async_compute_is_refused_and_shutdown_stops_nothing() -> None:
+    module = generate()
+    module.update(model_out(0))
+    with pytest.raises(
+        RecMetricException, match=r"async_compute is not supported.*call compute\(\)"
+    ):
+        module.async_compute()
+    module.shutdown()
+    module.shutdown()
+    module.update(model_out(1))  # the module keeps working
+    both = generate()
+    for s in (0, 1):
+        both.update(model_out(s))
+    assert close(floats(module.compute()), floats(both.compute()))

@@ -6,7 +6,8 @@ state, so every rank gets the value of the concatenated predictions while ranks 
 these partial statistics, never predictions. Keys read
 ``{namespace}-{task}|{lifetime|window}_{name}``, e.g. ``ne-DefaultTask|lifetime_ne``.
 TorchRec's metric module is here too: ``MetricsConfig`` and its parts, ``generate_metric_module``
-and ``RecMetricModule`` (``update(model_out)``, ``compute()``, ``state_dict()``).
+and ``RecMetricModule`` (``update(model_out)``, ``compute()``, ``state_dict()``, ``sync()``,
+``get_pre_compute_states()`` / ``load_pre_compute_states()``, ...).
 Importing this package imports torchmetrics; ``import embshard_dist`` does not.
 """
 
@@ -35,7 +36,11 @@ from embshard_dist.metrics.pointwise import (
     CalibrationMetric,
     CalibrationMetricComputation,
 )
-from embshard_dist.metrics.rec_metric_module import RecMetricModule, StateMetric
+from embshard_dist.metrics.rec_metric_module import (
+    RecMetricException,
+    RecMetricModule,
+    StateMetric,
+)
 from embshard_dist.metrics.throughput import ThroughputMetric
 from embshard_dist.metrics.warmup_throughput import WarmupThroughputMetric
 
@@ -58,6 +63,7 @@ __all__ = [
     "RecMetricDef",
     "RecMetricEnum",
     "RecMetricEnumBase",
+    "RecMetricException",
     "RecMetricList",
     "RecMetricModule",
     "RecTaskInfo",

@@ -12,13 +12,15 @@ the tables only, never predictions.
 The window table is rebuilt from the retained batch rows right before the states sync, so it
 is the exact sum of the batches in the window (no running subtraction that could drift).
 Rows ride to the table's device, so ``.to(device)`` may be called at any time.
+``local_states`` / ``load_states`` copy both tables out and in (a loaded window stands as one
+retained entry until the next batch).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -109,6 +111,45 @@ class RecMetricComputation(Metric):
         """``{"lifetime": value, "window": value}`` of every rank's samples (a collective)."""
         return {"lifetime": self.value(self.lifetime), "window": self.value(self.window)}
 
+    @property
+    def is_synced(self) -> bool:
+        """Whether the states hold the sums over the ranks (between ``sync`` and ``unsync``)."""
+        return bool(self._is_synced)
+
+    def window_table(self) -> torch.Tensor:
+        """This rank's window table: the sum of the retained batches' rows (a new tensor)."""
+        table = torch.zeros_like(self.lifetime)
+        if self._retained:
+            device = table.device
+            rows = torch.cat([r.to(device) for _, (r, _) in self._retained])
+            values = torch.cat([v.to(device) for _, (_, v) in self._retained])
+            table.index_add_(0, rows, values)
+        return table
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of each table, by state name."""
+        shape = tuple(self.lifetime.shape)
+        return {"lifetime": shape, "window": shape}
+
+    def local_states(self) -> dict[str, torch.Tensor]:
+        """Copies of this rank's tables: ``lifetime`` and ``window``."""
+        return {"lifetime": self.lifetime.detach().clone(), "window": self.window_table()}
+
+    def load_states(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Forget every batch, then hold float64 copies of ``states["lifetime"]`` and
+        ``states["window"]`` (tables of this computation's shape, checked by the caller). The
+        loaded window stands until the next ``update``, which starts the window afresh."""
+        device = self.lifetime.device
+        lifetime, window = (
+            states[name].detach().to(device=device, dtype=torch.float64, copy=True)
+            for name in ("lifetime", "window")
+        )
+        self.reset()
+        self.lifetime = lifetime
+        rows = torch.nonzero((window != 0).any(dim=1)).reshape(-1)
+        self._retained.append((self.window_size, (rows, window[rows])))
+        self._retained_samples = self.window_size
+
     def sync(
         self,
         dist_sync_fn: Callable[..., Any] | None = None,
@@ -119,13 +160,7 @@ class RecMetricComputation(Metric):
         """Rebuild the window table from the retained batches, then sync as torchmetrics does
         (``compute()`` always calls this first, on one process too)."""
         if not self._is_synced:
-            table = torch.zeros_like(self.window)
-            if self._retained:
-                device = table.device
-                rows = torch.cat([r.to(device) for _, (r, _) in self._retained])
-                values = torch.cat([v.to(device) for _, (_, v) in self._retained])
-                table.index_add_(0, rows, values)
-            self.window = table
+            self.window = self.window_table()
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
 
     def reset(self) -> None:

@@ -7,13 +7,20 @@ reads every task's labels, predictions and weights from ``model_out`` by the nam
 ``compute()`` is a collective over the metrics' process group returning TorchRec's keys
 (``ne-DefaultTask|lifetime_ne``, ``throughput-throughput|total_examples``,
 ``optimizers-optimizers|...``). ``state_dict()`` holds this rank's lifetime table of every metric
-and task (windows and throughput are not saved, as in TorchRec); ``load_state_dict`` checks every
-table before loading any, and a loaded metric starts with an empty window. A metric task without
-a ``RecTaskInfo`` is an error at construction (TorchRec skips its updates silently).
+and task and throughput's counters (total and warm-up examples, seconds after warm-up), as
+TorchRec's; windows are not saved. ``load_state_dict`` checks everything before loading any of
+it, and a loaded metric starts with an empty window. ``sync()`` / ``unsync()`` swap the rec
+metrics' states for their sums over the ranks and back (torchmetrics'); update and compute are
+refused in between. ``get_pre_compute_states`` / ``load_pre_compute_states`` carry the summed
+states to another module (:mod:`~embshard_dist.metrics.pre_compute`). Nothing runs in the
+background: ``async_compute`` is refused and ``shutdown`` has nothing to stop, as in TorchRec's
+``RecMetricModule``. A metric task without a ``RecTaskInfo`` is an error at construction
+(TorchRec skips its updates silently).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,11 +29,20 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from embshard_dist.metrics.computation import RecMetricComputation
 from embshard_dist.metrics.metric_list import RecMetricList
 from embshard_dist.metrics.metrics_config import RecTaskInfo
 from embshard_dist.metrics.model_outputs import read_task_outputs
+from embshard_dist.metrics.pre_compute import (
+    Holders,
+    PreComputeStates,
+    load_source,
+    source_problems,
+    state_holders,
+    summed_states,
+)
 from embshard_dist.metrics.reduce import sum_over_ranks
 from embshard_dist.metrics.throughput import ThroughputMetric
 
@@ -34,6 +50,11 @@ if TYPE_CHECKING:
     from torch.nn.modules.module import _IncompatibleKeys
 
 MetricValue = torch.Tensor | float
+logger = logging.getLogger(__name__)
+
+
+class RecMetricException(RuntimeError):
+    """A metric module operation that cannot run (TorchRec's ``RecMetricException``)."""
 
 
 @runtime_checkable
@@ -161,7 +182,9 @@ class RecMetricModule(nn.Module):
         Raises:
             ValueError: a task's tensor is missing or not one value per sample, or a value is out
                 of range; nothing is updated then.
+            RuntimeError: the metrics are synced (``sync()`` without ``unsync()``).
         """
+        self._refuse_while_synced("update")
         labels, predictions, weights = read_task_outputs(self._read_tasks, model_out)
         self.rec_metrics.update(predictions=predictions, labels=labels, weights=weights)
         if self.throughput_metric is not None:
@@ -189,7 +212,12 @@ class RecMetricModule(nn.Module):
         self.last_compute_time = now
 
     def compute(self) -> dict[str, MetricValue]:
-        """Every metric's values over the ranks (a collective: every rank calls it together)."""
+        """Every metric's values over the ranks (a collective: every rank calls it together).
+
+        Raises:
+            RuntimeError: the metrics are synced (``sync()`` without ``unsync()``).
+        """
+        self._refuse_while_synced("compute")
         self.compute_count += 1
         out: dict[str, MetricValue] = {}
         if len(self.rec_metrics):
@@ -203,11 +231,109 @@ class RecMetricModule(nn.Module):
 
     def local_compute(self) -> dict[str, MetricValue]:
         """This rank's rec metric values alone (no communication; ``|local_lifetime_..`` keys)."""
+        self._refuse_while_synced("local_compute")
         return dict(self.rec_metrics.local_compute())
 
     def reset(self) -> None:
         """Forget every rec metric update (throughput keeps counting, as in TorchRec)."""
         self.rec_metrics.reset()
+
+    def _synced(self) -> bool:
+        return any(c.is_synced for _, _, c in self.rec_metrics.computations())
+
+    def _refuse_while_synced(self, what: str) -> None:
+        if self._synced():
+            raise RuntimeError(
+                f"RecMetricModule.{what}: the rec metrics hold their sums over the ranks since "
+                "sync(); call unsync() first"
+            )
+
+    def sync(self) -> None:
+        """Replace every rec metric's states by their sums over its process group (a
+        collective), as torchmetrics' ``Metric.sync``: ``state_dict()`` then holds the job's
+        tables, and ``unsync()`` gives this rank's back. Throughput is not synced (nor in
+        TorchRec). Outside a process group the states stay as they are.
+
+        Raises:
+            RuntimeError: already synced; nothing changes.
+        """
+        if self._synced():
+            raise RuntimeError("RecMetricModule.sync: already synced; call unsync() first")
+        for _, _, computation in self.rec_metrics.computations():
+            computation.sync(dist_sync_fn=computation.dist_sync_fn)
+
+    def unsync(self) -> None:
+        """Give every synced rec metric its own rank's states back (no-op where not synced)."""
+        for _, _, computation in self.rec_metrics.computations():
+            if computation.is_synced:
+                computation.unsync()
+
+    def _holders(self) -> Holders:
+        return state_holders(self.rec_metrics, self.throughput_metric)
+
+    def get_pre_compute_states(
+        self, pg: dist.ProcessGroup | DeviceMesh | None = None
+    ) -> PreComputeStates:
+        """Every metric's states summed over ``pg``: ``{namespace: {task: {state: tensor}}}``,
+        the same on every rank (a collective over ``pg``), for ``load_pre_compute_states`` of a
+        module that does not reduce again (see :mod:`~embshard_dist.metrics.pre_compute`).
+
+        Args:
+            pg: the group to sum over, or a ``DeviceMesh`` (its ``"shard"`` dimension, as
+                TorchRec); default: the group the metrics reduce over (TorchRec: the world,
+                the same unless the metrics were built on a subgroup).
+
+        Raises:
+            RuntimeError: the metrics are synced (their states are sums already).
+            ValueError: a ``DeviceMesh`` without a ``"shard"`` dimension.
+        """
+        self._refuse_while_synced("get_pre_compute_states")
+        if isinstance(pg, DeviceMesh):
+            names = pg.mesh_dim_names or ()
+            if "shard" not in names:
+                raise ValueError(
+                    "RecMetricModule.get_pre_compute_states: the DeviceMesh has dimensions "
+                    f"{list(names)}, none named 'shard'; pass the process group to sum over"
+                )
+            pg = pg.get_group(mesh_dim="shard")
+        return summed_states(self._holders(), pg if pg is not None else self._group())
+
+    def load_pre_compute_states(self, source: Mapping[str, Any]) -> None:
+        """Replace every metric's states by ``source``'s (from ``get_pre_compute_states``; no
+        communication). Each rec metric's loaded window stands until its next update. The
+        module should not reduce again (one process, or metrics on a group of one rank):
+        ``compute()`` would sum the loaded states over the ranks once more.
+
+        Raises:
+            ValueError: ``source`` has unknown or missing metrics, tasks or states, or a value
+                that is not a tensor of the state's shape; nothing is loaded then.
+        """
+        holders = self._holders()
+        problems = source_problems(holders, source)
+        if problems:
+            raise ValueError(
+                "RecMetricModule.load_pre_compute_states: nothing loaded, the source does not "
+                f"fit these metrics ({'; '.join(problems)})"
+            )
+        load_source(holders, source)
+
+    def async_compute(self) -> dict[str, MetricValue]:
+        """Refused, as by TorchRec's ``RecMetricModule`` (only its CPU-offloaded module computes
+        in the background): call ``compute()``.
+
+        Raises:
+            RecMetricException: always; nothing changes.
+        """
+        raise RecMetricException(
+            "RecMetricModule.async_compute is not supported (nor by TorchRec's "
+            "RecMetricModule; only its CPUOffloadedRecMetricModule computes in the background); "
+            "call compute()"
+        )
+
+    def shutdown(self) -> None:
+        """Nothing runs in the background, so nothing to stop (TorchRec's ``RecMetricModule``
+        only logs): the module keeps working, and calling this again is harmless."""
+        logger.debug("RecMetricModule.shutdown: no background work to stop")
 
     def _checkpointed(self, prefix: str) -> dict[str, RecMetricComputation]:
         """State-dict key -> the computation whose lifetime table it holds."""
@@ -243,11 +369,16 @@ class RecMetricModule(nn.Module):
         error_msgs: list[str],
     ) -> None:
         """Runs before anything in this module loads (also inside a larger model): a table of
-        the wrong shape raises; a missing one is reported missing; each present one resets its
+        the wrong shape, or a throughput counter that is not one value, raises; a missing table
+        is reported missing; each present one resets its
         computation and is replaced by a float64 copy on the computation's device (torchmetrics
         would otherwise adopt the caller's tensor itself)."""
         expected = self._checkpointed(prefix)
         problems = []
+        if self.throughput_metric is not None:
+            problems += self.throughput_metric.checkpoint_problems(
+                state_dict, f"{prefix}throughput_metric."
+            )
         for key, computation in expected.items():
             value = state_dict.get(key)
             if value is None:

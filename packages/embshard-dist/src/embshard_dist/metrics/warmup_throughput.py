@@ -1,11 +1,14 @@
 """Throughput that leaves its first ``warmup_steps`` updates out of the rates (TorchRec's warm-up).
 
-The first ``warmup_steps`` updates on a rank only count examples; the rate clock starts at the
-last of them, so the lifetime and window rates cover the updates after warm-up over the time
-after warm-up, as TorchRec's ``ThroughputMetric``. ``total_examples`` counts every example,
-warm-up included. Until a rank is past warm-up its ``compute()`` reports ``total_examples``
-only (it still takes part in the reduction). Everything else is
-:class:`~embshard_dist.metrics.throughput.ThroughputMetric`'s: states summed over the ranks.
+The first ``warmup_steps`` updates of an attempt (since construction, ``reset``, or a restart
+from a checkpoint) only count examples; the rate clock starts at the last of them, so the
+lifetime, attempt and window rates cover the updates after warm-up over the time after
+warm-up, as TorchRec's ``ThroughputMetric``. ``total_examples`` counts every example, warm-up
+included. Until a rank is past warm-up its rates are 0, so a job whose ranks are all in
+warm-up reports ``total_examples`` and ``attempt_examples`` only (every rank still takes part in
+the reduction). Everything else is
+:class:`~embshard_dist.metrics.throughput.ThroughputMetric`'s: states summed over the ranks,
+three counters checkpointed.
 """
 
 from __future__ import annotations
@@ -13,12 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 from embshard_dist.metrics.throughput import DEFAULT_WINDOW_SECONDS, ThroughputMetric
-
-TOTAL_EXAMPLES_KEY = "throughput-throughput|total_examples"
 
 
 class WarmupThroughputMetric(ThroughputMetric):
@@ -30,8 +30,6 @@ class WarmupThroughputMetric(ThroughputMetric):
         window_seconds, group, clock: as :class:`ThroughputMetric`.
     """
 
-    warmup_examples: torch.Tensor
-
     def __init__(
         self,
         batch_size: int,
@@ -41,38 +39,7 @@ class WarmupThroughputMetric(ThroughputMetric):
         group: dist.ProcessGroup | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(batch_size, window_seconds=window_seconds, group=group, clock=clock)
         if warmup_steps < 0:
             raise ValueError(f"throughput: warmup_steps must be >= 0, got {warmup_steps}")
+        super().__init__(batch_size, window_seconds=window_seconds, group=group, clock=clock)
         self.warmup_steps = warmup_steps
-        self.steps = 0
-        self.add_state(
-            "warmup_examples", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum"
-        )
-
-    def update(self, num_examples: int | None = None) -> None:
-        """Count a step of ``num_examples`` (default ``batch_size``) on this rank."""
-        if self.steps >= self.warmup_steps:
-            super().update(num_examples)
-            self.steps += 1
-            return
-        n = self.batch_size if num_examples is None else int(num_examples)
-        if n < 0:
-            raise ValueError(f"throughput: num_examples must be >= 0, got {n}")
-        self.warmup_examples += n
-        self.steps += 1
-        if self.steps == self.warmup_steps:
-            self._start = self._clock()  # the rates count from the end of warm-up
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        """Total examples and, past warm-up, the rates, of every rank (a collective)."""
-        values = super().compute()
-        values[TOTAL_EXAMPLES_KEY] = values[TOTAL_EXAMPLES_KEY] + self.warmup_examples
-        if self.steps <= self.warmup_steps:
-            return {TOTAL_EXAMPLES_KEY: values[TOTAL_EXAMPLES_KEY]}
-        return values
-
-    def reset(self) -> None:
-        """Start again from now, warm-up included."""
-        super().reset()
-        self.steps = 0
