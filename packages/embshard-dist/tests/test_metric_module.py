@@ -21,6 +21,7 @@ from embshard_dist.metrics import (
     AUCMetric,
     CalibrationMetric,
     DefaultMetricsConfig,
+    DeferrableMetrics,
     MetricsConfig,
     NEMetric,
     RecMetric,
@@ -33,6 +34,7 @@ from embshard_dist.metrics import (
     StateMetric,
     StateMetricEnum,
     ThroughputDef,
+    ThroughputMetric,
     WarmupThroughputMetric,
     generate_metric_module,
 )
@@ -482,6 +484,7 @@ metric_module = generate_metric_module(
 g = torch.Generator().manual_seed(0)
 logged = []
 seen = []
+subscribed = []
 for step in range(8):
     logits = torch.randn(32, 1, generator=g)
     labels = (torch.rand(32, generator=g) < 0.3).float()
@@ -494,7 +497,10 @@ for step in range(8):
     seen.append(model_out)
     metric_module.update(model_out)
     if metric_module.should_compute():
-        logged.append({k: float(v) for k, v in metric_module.compute().items()})
+        computed = metric_module.compute()  # TorchRec 1.8: DeferrableMetrics
+        assert computed.is_resolved()
+        computed.subscribe(lambda metrics: subscribed.append(sorted(metrics)))
+        logged.append({k: float(v) for k, v in computed.resolve().items()})
 metric_module.sync()  # the job's tables (on one process: this process's)
 synced = metric_module.state_dict()
 metric_module.unsync()
@@ -516,6 +522,7 @@ def test_a_torchrec_metrics_script_runs_with_its_imports_changed() -> None:
 
     logged, seen = namespace["logged"], namespace["seen"]
     assert len(logged) == 2  # after steps 4 and 8
+    assert namespace["subscribed"] == [sorted(log) for log in logged]
     for log, upto in zip(logged, (4, 8), strict=True):
         p = torch.cat([o["prediction"] for o in seen[:upto]]).double()
         y = torch.cat([o["label"] for o in seen[:upto]]).double()
@@ -756,3 +763,23 @@ def test_async_compute_is_refused_and_shutdown_stops_nothing() -> None:
     for s in (0, 1):
         both.update(model_out(s))
     assert close(floats(module.compute()), floats(both.compute()))
+
+
+def test_compute_returns_torchrecs_deferrable_metrics_resolved() -> None:
+    module = RecMetricModule(8, 1, throughput_metric=ThroughputMetric(8))
+    module.update({})
+    computed = module.compute()
+    assert isinstance(computed, DeferrableMetrics) and isinstance(computed, dict)
+    assert computed.is_resolved() and computed.resolve() == dict(computed)
+    assert type(computed.resolve()) is dict
+    assert float(computed["throughput-throughput|total_examples"]) == 8
+    errors: list[Exception] = []
+
+    def failing(metrics: dict[str, Any]) -> None:
+        raise KeyError("no such key")
+
+    computed.subscribe(failing, on_error=errors.append)
+    assert len(errors) == 1 and isinstance(errors[0], KeyError)
+    with pytest.raises(KeyError, match="no such key"):
+        computed.subscribe(failing)
+    assert isinstance(module.local_compute(), DeferrableMetrics)

@@ -6,7 +6,8 @@ state, so every rank gets the value of the concatenated predictions while ranks 
 these partial statistics, never predictions. Keys read
 ``{namespace}-{task}|{lifetime|window}_{name}``, e.g. ``ne-DefaultTask|lifetime_ne``.
 TorchRec's metric module is here too: ``MetricsConfig`` and its parts, ``generate_metric_module``
-and ``RecMetricModule`` (``update(model_out)``, ``compute()``, ``state_dict()``, ``sync()``,
+and ``RecMetricModule`` (``update(model_out)``, ``compute()`` (a ``DeferrableMetrics``),
+``state_dict()``, ``sync()``,
 ``get_pre_compute_states()`` / ``load_pre_compute_states()``, ...).
 Importing this package imports torchmetrics; ``import embshard_dist`` does not.
 """
@@ -14,6 +15,7 @@ Importing this package imports torchmetrics; ``import embshard_dist`` does not.
 from embshard_dist.metrics.auc import AUCMetric, AUCMetricComputation
 from embshard_dist.metrics.base import RecMetric
 from embshard_dist.metrics.computation import RecMetricComputation
+from embshard_dist.metrics.deferrable_metrics import DeferrableMetrics
 from embshard_dist.metrics.metric_list import RecMetricList
 from embshard_dist.metrics.metric_module import generate_metric_module
 from embshard_dist.metrics.metrics_config import (
@@ -52,6 +54,7 @@ __all__ = [
     "CalibrationMetric",
     "CalibrationMetricComputation",
     "DefaultMetricsConfig",
+    "DeferrableMetrics",
     "DefaultTaskInfo",
     "EmptyMetricsConfig",
     "MetricsConfig",

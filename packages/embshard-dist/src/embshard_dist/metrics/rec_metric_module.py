@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from embshard_dist.metrics.computation import RecMetricComputation
+from embshard_dist.metrics.deferrable_metrics import DeferrableMetrics
 from embshard_dist.metrics.metric_list import RecMetricList
 from embshard_dist.metrics.metrics_config import RecTaskInfo
 from embshard_dist.metrics.model_outputs import read_task_outputs
@@ -211,15 +212,16 @@ class RecMetricModule(nn.Module):
             self.min_compute_interval = self.max_compute_interval = -1.0
         self.last_compute_time = now
 
-    def compute(self) -> dict[str, MetricValue]:
-        """Every metric's values over the ranks (a collective: every rank calls it together).
+    def compute(self) -> DeferrableMetrics:
+        """Every metric's values over the ranks (a collective: every rank calls it together),
+        as TorchRec's ``DeferrableMetrics`` (a dict, already resolved).
 
         Raises:
             RuntimeError: the metrics are synced (``sync()`` without ``unsync()``).
         """
         self._refuse_while_synced("compute")
         self.compute_count += 1
-        out: dict[str, MetricValue] = {}
+        out = DeferrableMetrics()
         if len(self.rec_metrics):
             self._adjust_compute_interval()
             out.update(self.rec_metrics.compute())
@@ -229,10 +231,10 @@ class RecMetricModule(nn.Module):
             out.update({f"{prefix}|{k}": v for k, v in component.get_metrics().items()})
         return out
 
-    def local_compute(self) -> dict[str, MetricValue]:
+    def local_compute(self) -> DeferrableMetrics:
         """This rank's rec metric values alone (no communication; ``|local_lifetime_..`` keys)."""
         self._refuse_while_synced("local_compute")
-        return dict(self.rec_metrics.local_compute())
+        return DeferrableMetrics(self.rec_metrics.local_compute())
 
     def reset(self) -> None:
         """Forget every rec metric update (throughput keeps counting, as in TorchRec)."""
