@@ -8,7 +8,8 @@ SGD and RowWiseAdagrad: the outputs of every step, the weights (every local shar
 of the fused and dense optimizers are equal after 20 steps, bit for bit on the CPU. Also: a
 loader that ends mid-pipeline (7 batches, run to the end; then a second epoch on a fresh
 iterator), ``execute_all_batches=False``, and a model that reads its features from another field
-through ``sparse_of``. ``TrainPipelineBase`` (the plain loop behind the pipeline interface)
+through ``sparse_of``. ``TrainPipelineFusedSparseDist`` (each batch's lookup started before its
+forward, in both of TorchRec's orders) equals the plain loop in the same runs. ``TrainPipelineBase`` (the plain loop behind the pipeline interface)
 equals the plain loop too, and ``EvalPipelineSparseDist`` gives the plain forward's outputs and
 never steps, whatever the model's mode. Under ``EMBSHARD_TEST_BACKEND=nccl`` the same runs on the GPUs, through
 the side-stream path, compared within 1e-6 (CUDA kernels may sum in another order).
@@ -31,6 +32,7 @@ from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.train_pipeline import (
     EvalPipelineSparseDist,
     TrainPipelineBase,
+    TrainPipelineFusedSparseDist,
     TrainPipelineSparseDist,
 )
 from embshard_kernels.collections import EmbeddingBagCollection
@@ -216,21 +218,30 @@ def run_plan(plan_name: str, optimizer: str) -> int:
     """20 steps and a 7-batch epoch then a 4-batch one, pipelined against plain."""
     torch.set_num_threads(1)
     spec = OPTIMIZERS[optimizer]
-    piped, plain = build(spec, plan_name), build(spec, plan_name)
+    piped, fused, plain = (build(spec, plan_name) for _ in range(3))
     pipeline = TrainPipelineSparseDist(piped, piped.optimizer(), test_device())
+    # Both of TorchRec's orders for the fused pipeline's lookup: first, or after the next dist.
+    after_dist = optimizer == "sgd"
+    fused_pipeline = TrainPipelineFusedSparseDist(
+        fused, fused.optimizer(), test_device(), embedding_lookup_after_data_dist=after_dist
+    )
     assert list(pipeline.pipelined_modules) == ["sparse"]
     compared = 0
-    what = f"{plan_name}/{optimizer}"
     start = 0
     for count in (STEPS, 7, 4):
         batches = host_batches(count, start)
         start += count
-        outputs = piped_steps(pipeline, iter(batches))
         expected = plain_steps(plain, [on_device(b) for b in batches])
-        assert len(outputs) == count, f"{what}: {len(outputs)} steps for {count} batches"
-        for step, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
-            check_equal(out, ref, f"{what}: output of step {step}")
-        compared += compare_models(piped, plain, f"{what} after {start} steps")
+        for model, runner, name in (
+            (piped, pipeline, "sparse-dist"),
+            (fused, fused_pipeline, "fused"),
+        ):
+            what = f"{plan_name}/{optimizer}/{name}"
+            outputs = piped_steps(runner, iter(batches))
+            assert len(outputs) == count, f"{what}: {len(outputs)} steps for {count} batches"
+            for step, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+                check_equal(out, ref, f"{what}: output of step {step}")
+            compared += compare_models(model, plain, f"{what} after {start} steps")
     return compared
 
 

@@ -26,6 +26,7 @@ from embshard_dist.train_pipeline import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
     TrainPipelineBase,
+    TrainPipelineFusedSparseDist,
     TrainPipelineSemiSync,
     TrainPipelineSparseDist,
     find_sharded_modules,
@@ -610,6 +611,12 @@ TORCHREC_PARAMETERS = {
         "free_features_storage_early clear_data_dist_inputs"
     ),
     TrainPipelineBase: "model optimizer device custom_model_fwd enable_inplace_copy_batch",
+    TrainPipelineFusedSparseDist: (
+        "model optimizer device execute_all_batches apply_jit pipeline_postproc "
+        "custom_model_fwd strict emb_lookup_stream embedding_lookup_after_data_dist "
+        "enable_inplace_copy_batch enqueue_batch_after_forward free_features_storage_early "
+        "clear_data_dist_inputs"
+    ),
 }
 
 
@@ -623,7 +630,8 @@ def test_constructors_take_torchrecs_arguments_in_its_order(cls: type) -> None:
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[len(torchrec) :])
     defaults = {p.name: p.default for p in parameters}
     if "pipeline_postproc" in defaults:
-        assert defaults["pipeline_postproc"] is (cls is TrainPipelineSemiSync)
+        postproc = cls in (TrainPipelineSemiSync, TrainPipelineFusedSparseDist)
+        assert defaults["pipeline_postproc"] is postproc
     assert defaults.get("dmp_collection_sync_interval_batches", 1) == 1
     assert defaults.get("apply_jit", False) is False
 
@@ -675,3 +683,53 @@ def test_torchrec_hints_leave_results_as_the_plain_loop() -> None:
             assert len(forwards) == 2 and taken == [0, 1, 2, 3]
     for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("after_dist", [False, True])
+def test_fused_pipeline_looks_up_before_the_forward(after_dist: bool) -> None:
+    """Batch ``i``'s lookup starts before its forward (and, ``embedding_lookup_after_data_dist``,
+    after batch ``i+1``'s input dist); results equal the plain loop's."""
+    data = batches(4)
+    model, reference = sharded(), sharded()
+    module = model.sharded_modules["sparse"]
+    events: list[tuple[str, int]] = []
+    ids = [b.sparse_features.values() for b in data]
+    dense = [b.dense_features for b in data]
+    lookup, input_dist = module.compute_and_output_dist, module.input_dist
+
+    def spy_lookup(ctx: Any, features: Any) -> Any:
+        events.append(("lookup", len([e for e in events if e[0] == "lookup"])))
+        return lookup(ctx, features)
+
+    def spy_dist(ctx: Any, features: KeyedJaggedTensor) -> Any:
+        events.append(("input_dist", [v is features.values() for v in ids].index(True)))
+        return input_dist(ctx, features)
+
+    class Seen(list[Tensor]):
+        def append(self, value: Tensor) -> None:
+            events.append(("forward", [d is value for d in dense].index(True)))
+            super().append(value)
+
+    module.compute_and_output_dist = spy_lookup  # type: ignore[method-assign]
+    module.input_dist = spy_dist  # type: ignore[method-assign]
+    model.module.seen = Seen()
+    pipeline = TrainPipelineFusedSparseDist(
+        model,
+        model.optimizer(),
+        "cpu",
+        sparse_of=lambda b: b.sparse_features,
+        embedding_lookup_after_data_dist=after_dist,
+    )
+    outputs = run(pipeline, iter(data))
+    expected_events = [("input_dist", 0)]
+    for i in range(4):
+        next_dist = [("input_dist", i + 1)] if i < 3 else []
+        if after_dist:
+            expected_events += [*next_dist, ("lookup", i), ("forward", i)]
+        else:
+            expected_events += [("lookup", i), *next_dist, ("forward", i)]
+    assert events == expected_events
+    for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"emb_lookup_stream must be one of"):
+        TrainPipelineFusedSparseDist(model, model.optimizer(), "cpu", emb_lookup_stream="side")

@@ -4,7 +4,8 @@
 batch's forward, backward and optimizer step, with results equal to the plain training loop's;
 :class:`EvalPipelineSparseDist` does the same for forwards only; :class:`TrainPipelineBase` is
 the plain loop behind the same interface (only the next batch's copy overlapped);
-:class:`TrainPipelineSemiSync` also overlaps the next batch's lookup and output dist with this
+:class:`TrainPipelineFusedSparseDist` starts each batch's lookup before its forward (results
+equal the plain loop's); :class:`TrainPipelineSemiSync` also overlaps the next batch's lookup and output dist with this
 batch's backward, one step stale (not equal to the plain loop);
 :class:`GradientAccumulationWrapper` makes any of them step once per cycle of micro-batches,
 the fused tables included.
@@ -12,6 +13,7 @@ the fused tables included.
 
 from embshard_dist.train_pipeline.base import TrainPipelineBase
 from embshard_dist.train_pipeline.batch import Pipelineable, move_batch
+from embshard_dist.train_pipeline.fused_sparse_dist import TrainPipelineFusedSparseDist
 from embshard_dist.train_pipeline.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
@@ -29,6 +31,7 @@ __all__ = [
     "SparseOf",
     "TrainPipeline",
     "TrainPipelineBase",
+    "TrainPipelineFusedSparseDist",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "find_sharded_modules",

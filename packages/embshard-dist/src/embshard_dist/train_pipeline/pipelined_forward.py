@@ -25,6 +25,7 @@ from embshard_types.awaitables import Awaitable, LazyAwaitable
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
 __all__ = [
+    "StartedLookup",
     "PipelinedForward",
     "PreparedInput",
     "StandIn",
@@ -120,6 +121,33 @@ class PipelinedForward:
         assert prepared is not None
         self._prepared = None
         return prepared.lookup(self._module, self._dist_stream)
+
+
+class StartedLookup:
+    """Stands in for a sharded module's ``forward`` when its lookup started before the model's
+    forward: called once, with the prepared KeyedJaggedTensor, it returns that lookup
+    (``compute_and_output_dist``'s awaitable, exactly what the module's own forward returns)."""
+
+    def __init__(
+        self, path: str, features: KeyedJaggedTensor, lookup: LazyAwaitable[Any], owner: str
+    ) -> None:
+        self._path = path
+        self._features = features
+        self._lookup: LazyAwaitable[Any] | None = lookup
+        self._owner = owner
+
+    @property
+    def consumed(self) -> bool:
+        """Whether the model called the module in this step."""
+        return self._lookup is None
+
+    def __call__(self, *input: Any, **kwargs: Any) -> LazyAwaitable[Any]:
+        lookup = self._lookup
+        features = None if lookup is None else self._features
+        check_call(self._path, features, input, kwargs, self._owner)
+        assert lookup is not None
+        self._lookup = None
+        return lookup
 
 
 def check_call(

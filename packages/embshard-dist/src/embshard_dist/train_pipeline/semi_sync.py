@@ -25,7 +25,6 @@ from embshard_dist.train_pipeline.interface import In, Out, total_loss
 from embshard_dist.train_pipeline.pipelined_forward import check_call, serving
 from embshard_dist.train_pipeline.sparse_dist import TrainPipelineSparseDist, _InFlight
 from embshard_dist.train_pipeline.sparse_inputs import SparseOf
-from embshard_dist.train_pipeline.streams import on_stream
 from embshard_types.awaitables import LazyAwaitable
 from embshard_types.sparse.jagged import JaggedTensor
 from embshard_types.sparse.keyed_tensor import KeyedTensor
@@ -158,30 +157,11 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._start_values(self._batches[1])
         self._enqueue(dataloader_iter)
 
-    def _start_lookups(self, flight: _InFlight) -> None:
-        """Every pipelined module's lookup and output dist for ``flight``, on the current
-        stream, with the tables as they are now (its input dist first if not started)."""
-        self._start_values(flight)
-        for path, prepared in flight.inputs.items():
-            flight.lookups[path] = prepared.lookup(self._modules[path], self._streams.dist)
-
     def _stand_ins_of(self, flight: _InFlight) -> dict[str, LookedUpForward]:
         return {
             path: LookedUpForward(path, flight.inputs[path].features, lookup, flight.embeddings)
             for path, lookup in flight.lookups.items()
         }
-
-    def _drop_in_flight(self) -> None:
-        """Finish the collectives already started for the batches left, then forget them."""
-        with on_stream(self._streams.dist):
-            for flight in self._batches:
-                if flight.lookups:
-                    for lookup in flight.lookups.values():
-                        lookup.wait()
-                else:
-                    for prepared in flight.inputs.values():
-                        prepared.start_values().wait()
-        self._batches.clear()
 
     def _swap_gradients(self) -> None:
         """Put the previous step's dense gradients in place and keep this step's."""

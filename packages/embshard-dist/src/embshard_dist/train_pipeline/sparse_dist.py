@@ -192,6 +192,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
                 the iterator has ended).
         """
         current = self._oldest(dataloader_iter)
+        self._at_start(current)
         training = self._model.training and self._trains
         if training and self._micro_batch == 0:
             self._optimizer.zero_grad()
@@ -201,6 +202,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         after_forward = self._options.enqueue_batch_after_forward
         if not after_forward:
             self._enqueue(dataloader_iter)
+        self._before_forward(current)
         steps = not training or self._completes_step()
         with self._accumulating(not steps):
             with serving(self._modules, self._stand_ins(current)), self._learning(current):
@@ -247,6 +249,20 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         """Around the first batch's forward, unless ``sparse_of`` was given: learn where each
         sharded module's input lives in a batch (that batch runs as the plain loop)."""
         return self._inputs.learning(flight.batch)
+
+    def _at_start(self, current: _InFlight) -> None:
+        """A step's first stage, before ``zero_grad`` (nothing here)."""
+
+    def _before_forward(self, current: _InFlight) -> None:
+        """A step's stage after the next batch's input dist started, before the forward
+        (nothing here)."""
+
+    def _start_lookups(self, flight: _InFlight) -> None:
+        """Every pipelined module's lookup and output dist for ``flight``, on the current
+        stream, with the tables as they are now (its input dist first if not started)."""
+        self._start_values(flight)
+        for path, prepared in flight.inputs.items():
+            flight.lookups[path] = prepared.lookup(self._modules[path], self._streams.dist)
 
     def _stand_ins(self, flight: _InFlight) -> dict[str, PipelinedForward]:
         """The forwards that run ``flight``'s modules on their prepared inputs."""
@@ -324,8 +340,12 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         """Finish the collectives already started for the batches left, then forget them."""
         with on_stream(self._streams.dist):
             for flight in self._batches:
-                for prepared in flight.inputs.values():
-                    prepared.start_values().wait()
+                if flight.lookups:
+                    for lookup in flight.lookups.values():
+                        lookup.wait()
+                else:
+                    for prepared in flight.inputs.values():
+                        prepared.start_values().wait()
         self._batches.clear()
 
 
