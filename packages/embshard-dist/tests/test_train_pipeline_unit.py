@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+import threading
 from collections import namedtuple
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,11 +23,14 @@ from torch import Tensor, nn
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
 from embshard_dist.models import DLRM, DLRMTrain
 from embshard_dist.train_pipeline import (
+    DataLoadingThread,
     EvalPipelineSparseDist,
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
+    TorchCompileConfig,
     TrainPipelineBase,
     TrainPipelineFusedSparseDist,
+    TrainPipelinePT2,
     TrainPipelineSemiSync,
     TrainPipelineSparseDist,
     find_sharded_modules,
@@ -733,3 +737,93 @@ def test_fused_pipeline_looks_up_before_the_forward(after_dist: bool) -> None:
         assert torch.equal(out, expected)
     with pytest.raises(ValueError, match=r"emb_lookup_stream must be one of"):
         TrainPipelineFusedSparseDist(model, model.optimizer(), "cpu", emb_lookup_stream="side")
+
+
+def test_pt2_pipeline_compiles_on_its_step_and_equals_the_plain_loop() -> None:
+    data = batches(3)
+    model, reference = sharded(), sharded()
+    calls: list[tuple[str, bool]] = []
+    transformed: list[Batch] = []
+
+    def transform(batch: Batch) -> Batch:
+        transformed.append(batch)
+        return batch
+
+    config = TorchCompileConfig(backend="eager", compile_on_iter=1)
+    pipeline = TrainPipelinePT2(
+        model,
+        model.optimizer(),
+        "cpu",
+        config,
+        pre_compile_fn=lambda m: calls.append(("pre", m is model)),
+        post_compile_fn=lambda m: calls.append(("post", m is model)),
+        input_transformer=transform,
+    )
+    it = iter(data)
+    outputs = [pipeline.progress(it)]
+    assert not pipeline.compiled and calls == []
+    outputs += [pipeline.progress(it) for _ in range(2)]
+    assert pipeline.compiled and calls == [("pre", True), ("post", True)]
+    assert model._compiled_call_impl is not None  # compiled in place, as TorchRec's
+    assert len(transformed) == 3
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
+        assert torch.equal(out, expected)
+    for key, value in model.state_dict().items():
+        ref = reference.state_dict()[key]
+        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
+        assert torch.equal(mine, theirs), key
+    with pytest.raises(ValueError, match=r"compile_on_iter must be an int >= 0"):
+        TorchCompileConfig(compile_on_iter=-1)
+
+
+def test_data_loading_thread_loads_ahead_and_hands_errors_over() -> None:
+    data = batches(3)
+    taken: list[int] = []
+    second_taken = threading.Event()
+
+    def source() -> Iterator[Batch]:
+        for index, batch in enumerate(data):
+            taken.append(index)
+            if index == 1:
+                second_taken.set()
+            yield batch
+
+    loader: DataLoadingThread[Batch] = DataLoadingThread(torch.device("cpu"), source(), False)
+    with pytest.raises(RuntimeError, match="call start"):
+        loader.get_next_batch()
+    loader.start()
+    first = loader.get_next_batch()
+    assert first is not None and torch.equal(first.dense_features, data[0].dense_features)
+    assert second_taken.wait(timeout=30)  # the next batch is loaded before it is asked for
+    got = [loader.get_next_batch(), loader.get_next_batch()]
+    assert [
+        b is not None and torch.equal(b.labels, d.labels)
+        for b, d in zip(got, data[1:], strict=True)
+    ] == [True, True]
+    assert loader.get_next_batch() is None
+    with pytest.raises(StopIteration):
+        loader.get_next_batch(none_throws=True)
+    loader.join(timeout=30)
+    assert taken == [0, 1, 2]
+
+    def failing() -> Iterator[Batch]:
+        yield data[0]
+        raise OSError("bad shard file day_3.npy")
+
+    broken: DataLoadingThread[Batch] = DataLoadingThread(torch.device("cpu"), failing(), False)
+    broken.start()
+    assert broken.get_next_batch() is not None
+    with pytest.raises(OSError, match=r"day_3\.npy"):
+        broken.get_next_batch()
+    assert broken.get_next_batch() is None
+
+    stopped: DataLoadingThread[Batch] = DataLoadingThread(torch.device("cpu"), iter(data), False)
+    stopped.start()
+    stopped.stop()
+    stopped.join(timeout=30)
+    assert not stopped.is_alive()
+    left = stopped.get_next_batch()
+    assert left is None or torch.equal(left.labels, data[0].labels)

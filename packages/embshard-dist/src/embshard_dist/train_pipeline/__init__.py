@@ -5,33 +5,39 @@ batch's forward, backward and optimizer step, with results equal to the plain tr
 :class:`EvalPipelineSparseDist` does the same for forwards only; :class:`TrainPipelineBase` is
 the plain loop behind the same interface (only the next batch's copy overlapped);
 :class:`TrainPipelineFusedSparseDist` starts each batch's lookup before its forward (results
-equal the plain loop's); :class:`TrainPipelineSemiSync` also overlaps the next batch's lookup and output dist with this
-batch's backward, one step stale (not equal to the plain loop);
+equal the plain loop's); :class:`TrainPipelineSemiSync` also overlaps the next batch's lookup
+and output dist with this batch's backward, one step stale (not equal to the plain loop);
 :class:`GradientAccumulationWrapper` makes any of them step once per cycle of micro-batches,
-the fused tables included.
+the fused tables included; :class:`TrainPipelinePT2` is the plain loop with the model compiled
+from a chosen step, and :class:`DataLoadingThread` loads batches ahead in a thread.
 """
 
 from embshard_dist.train_pipeline.base import TrainPipelineBase
 from embshard_dist.train_pipeline.batch import Pipelineable, move_batch
+from embshard_dist.train_pipeline.data_loading_thread import DataLoadingThread
 from embshard_dist.train_pipeline.fused_sparse_dist import TrainPipelineFusedSparseDist
 from embshard_dist.train_pipeline.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
 from embshard_dist.train_pipeline.interface import TrainPipeline
+from embshard_dist.train_pipeline.pt2 import TorchCompileConfig, TrainPipelinePT2
 from embshard_dist.train_pipeline.semi_sync import TrainPipelineSemiSync
 from embshard_dist.train_pipeline.sparse_dist import EvalPipelineSparseDist, TrainPipelineSparseDist
 from embshard_dist.train_pipeline.sparse_inputs import SparseOf, find_sharded_modules
 
 __all__ = [
+    "DataLoadingThread",
     "EvalPipelineSparseDist",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
     "Pipelineable",
     "SparseOf",
+    "TorchCompileConfig",
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineFusedSparseDist",
+    "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "find_sharded_modules",
