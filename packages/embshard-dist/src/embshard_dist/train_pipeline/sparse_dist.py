@@ -235,6 +235,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
         if not self._batches:
             raise StopIteration
         current = self._batches[0]
+        if not current.started:  # no input dist (the first batch, while learning): from the copy
+            hand_over(current.batch, self._streams.copy)
         hand_over(current.batch, self._streams.dist)
         return current
 
