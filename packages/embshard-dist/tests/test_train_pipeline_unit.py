@@ -132,6 +132,15 @@ def batches(count: int) -> list[Batch]:
     return out
 
 
+def assert_same_state(model: Any, reference: Any) -> None:
+    """Every weight of ``model`` equals ``reference``'s, bit for bit (local shards)."""
+    for key, value in model.state_dict().items():
+        ref = reference.state_dict()[key]
+        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
+        assert torch.equal(mine, theirs), key
+
+
 def run(pipeline: TrainPipelineSparseDist[Any, Tensor], data: Iterator[Any]) -> list[Tensor]:
     outputs = []
     while True:
@@ -185,11 +194,7 @@ def test_next_input_dist_starts_before_this_forward_and_results_equal_plain() ->
         loss.backward()
         optimizer.step()
         assert torch.equal(out, expected)
-    for key, value in model.state_dict().items():
-        ref = reference.state_dict()[key]
-        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
-        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
-        assert torch.equal(mine, theirs), key
+    assert_same_state(model, reference)
 
 
 def plain_loop(model: Any, data: list[Batch], step: Any = None) -> list[Tensor]:
@@ -397,11 +402,7 @@ def test_learns_each_modules_input_from_the_first_batch() -> None:
     ]
     for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
         assert torch.equal(out, expected)
-    for key, value in model.state_dict().items():
-        ref = reference.state_dict()[key]
-        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
-        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
-        assert torch.equal(mine, theirs), key
+    assert_same_state(model, reference)
 
 
 def test_learned_paths_are_checked_on_every_batch() -> None:
@@ -770,11 +771,7 @@ def test_pt2_pipeline_compiles_on_its_step_and_equals_the_plain_loop() -> None:
         pipeline.progress(it)
     for out, expected in zip(outputs, plain_loop(reference, data), strict=True):
         assert torch.equal(out, expected)
-    for key, value in model.state_dict().items():
-        ref = reference.state_dict()[key]
-        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
-        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
-        assert torch.equal(mine, theirs), key
+    assert_same_state(model, reference)
     with pytest.raises(ValueError, match=r"compile_on_iter must be an int >= 0"):
         TorchCompileConfig(compile_on_iter=-1)
 
