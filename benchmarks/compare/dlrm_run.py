@@ -75,6 +75,11 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             if other in ms:
                 label = other.replace("-", " ")
                 ratios[f"embshard pipelined / {label}"] = ms["embshard-pipelined"] / ms[other]
+    if "embshard-fused" in ms:
+        for other in ("embshard-pipelined", "torchrec-fused", "torchrec-pipelined"):
+            if other in ms:
+                label = other.replace("-", " ")
+                ratios[f"embshard fused / {label}"] = ms["embshard-fused"] / ms[other]
     if "embshard-semi-sync" in ms:
         for other in ("embshard-plain", "embshard-pipelined", "torchrec-semi-sync"):
             if other in ms:

@@ -1,5 +1,6 @@
 """W2-DLRM's contenders: each library's ``DLRMTrain(DLRM(...))`` over W2's tables, trained by its
-plain loop, its ``TrainPipelineSparseDist`` or its ``TrainPipelineSemiSync`` (from batch 0).
+plain loop, its ``TrainPipelineSparseDist``, ``TrainPipelineFusedSparseDist`` or
+``TrainPipelineSemiSync`` (from batch 0).
 
 W2-DLRM is W2's 26 tables (``workloads.w2``) under a DLRM dense part: 13 dense features, bottom
 MLP [256, 128], top MLP [512, 256, 1], binary cross-entropy on the logits. Both libraries build
@@ -41,12 +42,15 @@ MODEL_SEED = 11
 MODES = (
     "embshard-plain",
     "embshard-pipelined",
+    "embshard-fused",
     "embshard-semi-sync",
     "torchrec-plain",
     "torchrec-pipelined",
+    "torchrec-fused",
     "torchrec-semi-sync",
 )
-"""``{library}-{loop}``; loops: plain, pipelined (``TrainPipelineSparseDist``) and semi-sync
+"""``{library}-{loop}``; loops: plain, pipelined (``TrainPipelineSparseDist``), fused
+(``TrainPipelineFusedSparseDist``: the lookup started before the forward) and semi-sync
 (``TrainPipelineSemiSync`` from batch 0: one step stale, not equal to the others)."""
 SEMI_SYNC_START_BATCH = 0
 
@@ -87,12 +91,14 @@ class DlrmContender:
     pipeline: Any | None
     batches: list[Any]
 
-    def _start(self, loop: str, sparse_dist: Any, semi_sync: Any) -> None:
+    def _start(self, loop: str, sparse_dist: Any, semi_sync: Any, fused: Any) -> None:
         """Build ``loop``'s pipeline (none for the plain loop) from the library's classes."""
         cpu = torch.device("cpu")
         self.pipeline = None
         if loop == "pipelined":
             self.pipeline = sparse_dist(self.model, self.optimizer, cpu)
+        elif loop == "fused":
+            self.pipeline = fused(self.model, self.optimizer, cpu)
         elif loop == "semi-sync":
             self.pipeline = semi_sync(
                 self.model, self.optimizer, cpu, start_batch=SEMI_SYNC_START_BATCH
@@ -132,7 +138,11 @@ class EmbshardDlrm(DlrmContender):
         from benchmarks.compare.embshard_side import _embshard_plan, _sharder, _spec
         from embshard_dist.dmp.model_parallel import DistributedModelParallel
         from embshard_dist.models.dlrm import DLRM, DLRMTrain
-        from embshard_dist.train_pipeline import TrainPipelineSemiSync, TrainPipelineSparseDist
+        from embshard_dist.train_pipeline import (
+            TrainPipelineFusedSparseDist,
+            TrainPipelineSemiSync,
+            TrainPipelineSparseDist,
+        )
         from embshard_kernels.collections import EmbeddingBagCollection
         from embshard_types.configs import EmbeddingBagConfig
         from embshard_types.plan import ShardingPlan
@@ -170,7 +180,9 @@ class EmbshardDlrm(DlrmContender):
             )
             for b, d in zip(batches, dense, strict=True)
         ]
-        self._start(loop, TrainPipelineSparseDist, TrainPipelineSemiSync)
+        self._start(
+            loop, TrainPipelineSparseDist, TrainPipelineSemiSync, TrainPipelineFusedSparseDist
+        )
 
 
 @dataclass(frozen=True)
@@ -200,7 +212,10 @@ class TorchRecDlrm(DlrmContender):
         from torchrec.datasets.utils import Batch as TorchRecBatch
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+        from torchrec.distributed.train_pipeline import (
+            TrainPipelineFusedSparseDist,
+            TrainPipelineSparseDist,
+        )
         from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
         from torchrec.distributed.types import ShardingPlan
         from torchrec.models.dlrm import DLRM, DLRMTrain
@@ -264,7 +279,9 @@ class TorchRecDlrm(DlrmContender):
             )
             for b, d in zip(batches, dense, strict=True)
         ]
-        self._start(loop, TrainPipelineSparseDist, TrainPipelineSemiSync)
+        self._start(
+            loop, TrainPipelineSparseDist, TrainPipelineSemiSync, TrainPipelineFusedSparseDist
+        )
 
 
 def build(
