@@ -6,7 +6,9 @@ forward (its sharded modules use their prepared inputs), start batch ``i+1``'s p
 backward and optimizer step. Every rank issues the same collectives in the same order, and an
 input dist reads ids only, never weights, so the results are those of the plain loop
 ``loss, out = model(batch); loss.backward(); optimizer.step()``, bit for bit. On CUDA the copy
-and the input dist run on side streams; on the CPU the collectives are simply in flight.
+and the input dist run on side streams; on the CPU the collectives are simply in flight. Unless
+``sparse_of`` names them, the first batch runs as the plain loop while the pipeline learns where
+each sharded module's input lives in a batch (:mod:`~embshard_dist.train_pipeline.sparse_inputs`).
 """
 
 from __future__ import annotations
