@@ -9,7 +9,9 @@ equal the plain loop's); :class:`TrainPipelineSemiSync` also overlaps the next b
 and output dist with this batch's backward, one step stale (not equal to the plain loop);
 :class:`GradientAccumulationWrapper` makes any of them step once per cycle of micro-batches,
 the fused tables included; :class:`TrainPipelinePT2` is the plain loop with the model compiled
-from a chosen step, and :class:`DataLoadingThread` loads batches ahead in a thread.
+from a chosen step, and :class:`DataLoadingThread` loads batches ahead in a thread;
+:class:`StagedTrainPipeline` runs user-defined stages (:class:`PipelineStage`, and
+:class:`SparseDataDistUtil`'s input-dist stage) on the next batches while the loop trains.
 """
 
 from embshard_dist.train_pipeline.base import TrainPipelineBase
@@ -20,19 +22,27 @@ from embshard_dist.train_pipeline.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
-from embshard_dist.train_pipeline.interface import TrainPipeline
+from embshard_dist.train_pipeline.interface import In, Out, TrainPipeline
+from embshard_dist.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil, StageOut
 from embshard_dist.train_pipeline.pt2 import TorchCompileConfig, TrainPipelinePT2
 from embshard_dist.train_pipeline.semi_sync import TrainPipelineSemiSync
 from embshard_dist.train_pipeline.sparse_dist import EvalPipelineSparseDist, TrainPipelineSparseDist
 from embshard_dist.train_pipeline.sparse_inputs import SparseOf, find_sharded_modules
+from embshard_dist.train_pipeline.staged import StagedTrainPipeline
 
 __all__ = [
     "DataLoadingThread",
     "EvalPipelineSparseDist",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
+    "In",
+    "Out",
+    "PipelineStage",
     "Pipelineable",
+    "SparseDataDistUtil",
     "SparseOf",
+    "StageOut",
+    "StagedTrainPipeline",
     "TorchCompileConfig",
     "TrainPipeline",
     "TrainPipelineBase",
