@@ -377,3 +377,31 @@ def validate_jagged_data(
         ends = offsets_at(offsets, locator.bounds)
         computed = differences(ends)
         check_length_per_key(owner, locator.keys, length_per_key, computed)
+
+
+def check_same_weighting(owner: str, dst_weighted: bool, src_weighted: bool) -> None:
+    """Check that the destination and source of an in-place copy both have weights or neither."""
+    if dst_weighted != src_weighted:
+        has, lacks = ("this one", "the source") if dst_weighted else ("the source", "this one")
+        raise ValueError(
+            f"{owner}: {has} has weights but {lacks} has none; allocate the destination with "
+            "empty_like(source, device)"
+        )
+
+
+def copy_checked(
+    owner: str, pairs: Sequence[tuple[str, Tensor, Tensor]], non_blocking: bool
+) -> None:
+    """Copy each ``(name, destination, source)`` in place after checking all shapes match.
+
+    ``Tensor.copy_`` would broadcast a smaller source; here a shape mismatch is an error and
+    nothing is copied.
+    """
+    for name, dst, src in pairs:
+        if dst.shape != src.shape:
+            raise ValueError(
+                f"{owner}: {name} has shape {tuple(dst.shape)} here but {tuple(src.shape)} in "
+                "the source; allocate the destination with empty_like(source, device)"
+            )
+    for _, dst, src in pairs:
+        dst.copy_(src, non_blocking=non_blocking)

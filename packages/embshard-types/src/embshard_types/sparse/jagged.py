@@ -3,6 +3,7 @@
 Holds ``values`` (ids or embedding rows; dim 0 is jagged), optional ``weights`` and ``lengths``
 and/or complete ``offsets``; the missing one is derived on first use and cached. Construction
 never reads tensor data; ``validate()`` does (O(n)) and names the offending sample.
+``empty_like`` and ``copy_`` stage a batch on another device: allocate once, copy in place.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from embshard_types.sparse._ops import lengths_from_offsets, offsets_from_length
 from embshard_types.sparse._validation import (
     SegmentLocator,
     check_jagged_args,
+    check_same_weighting,
+    copy_checked,
     validate_jagged_data,
 )
 
@@ -65,6 +68,35 @@ class JaggedTensor:
         lengths = torch.empty(0, dtype=lengths_dtype, device=device)
         offsets = torch.zeros(1, dtype=lengths_dtype, device=device)
         return JaggedTensor(values, weights=weights, lengths=lengths, offsets=offsets)
+
+    @staticmethod
+    def empty_like(jt: JaggedTensor, device: torch.device | str | None = None) -> JaggedTensor:
+        """Return an uninitialized JaggedTensor shaped for ``copy_`` from ``jt``, or no samples.
+
+        Without ``device``: no samples, with ``jt``'s dtypes, trailing value dims, weightedness
+        and device. With ``device``: ``torch.empty_like`` of each tensor ``jt`` holds (lengths
+        and/or offsets as it holds them), on ``device``.
+        """
+        if not isinstance(jt, JaggedTensor):
+            raise TypeError(f"{_OWNER}.empty_like: expected a {_OWNER}, got {type(jt).__name__}")
+        weights = jt._weights
+        if device is None:
+            values = jt._values.new_empty((0, *jt._values.shape[1:]))
+            return JaggedTensor(
+                values,
+                weights=None if weights is None else weights.new_empty(0),
+                lengths=torch.empty(0, dtype=jt._index_dtype(), device=values.device),
+            )
+
+        def like(t: Tensor | None) -> Tensor | None:
+            return None if t is None else torch.empty_like(t, device=device)
+
+        return JaggedTensor(
+            torch.empty_like(jt._values, device=device),
+            weights=like(weights),
+            lengths=like(jt._lengths),
+            offsets=like(jt._offsets),
+        )
 
     @staticmethod
     def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
@@ -136,6 +168,20 @@ class JaggedTensor:
     def device(self) -> torch.device:
         """The device of the values."""
         return self._values.device
+
+    def size_in_bytes(self) -> int:
+        """Bytes held by the values, weights and the lengths / offsets present (given or cached)."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self._values, self._weights, self._lengths, self._offsets)
+            if t is not None
+        )
+
+    def _index_dtype(self) -> torch.dtype:
+        """The dtype of the lengths (that of the offsets they would be derived from)."""
+        index = self._lengths if self._lengths is not None else self._offsets
+        assert index is not None  # guaranteed by the constructor
+        return index.dtype
 
     # ---- conversions ---------------------------------------------------------------------
 
@@ -223,6 +269,30 @@ class JaggedTensor:
             lengths=pin(self._lengths),
             offsets=pin(self._offsets),
         )
+
+    def copy_(self, jt: JaggedTensor, non_blocking: bool = False) -> JaggedTensor:
+        """Copy ``jt``'s data into this JaggedTensor's tensors in place; return self.
+
+        This one's tensors keep their device and dtype; the lengths / offsets it holds are
+        filled from ``jt``'s (derived there if ``jt`` holds only the other).
+
+        Raises:
+            ValueError: a tensor's shape differs from ``jt``'s, or only one of them is weighted
+                (allocate this one with ``JaggedTensor.empty_like(jt, device)``).
+        """
+        if not isinstance(jt, JaggedTensor):
+            raise TypeError(f"{_OWNER}.copy_: expected a {_OWNER}, got {type(jt).__name__}")
+        owner = f"{_OWNER}.copy_"
+        check_same_weighting(owner, self._weights is not None, jt._weights is not None)
+        pairs = [("values", self._values, jt._values)]
+        if self._weights is not None:
+            pairs.append(("weights", self._weights, jt.weights()))
+        if self._lengths is not None:
+            pairs.append(("lengths", self._lengths, jt.lengths()))
+        if self._offsets is not None:
+            pairs.append(("offsets", self._offsets, jt.offsets()))
+        copy_checked(owner, pairs, non_blocking)
+        return self
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark every tensor as in use by ``stream`` (see ``Tensor.record_stream``)."""

@@ -3,7 +3,8 @@
 ``lengths[bounds[k] + b]`` is the bag size of key ``k``, sample ``b``; batch sizes may vary per
 key (``stride_per_key_per_rank``). Derived lengths / offsets and per-key sizes are cached (one
 device read). Construction never reads tensor data; ``validate()`` does and names key and
-sample. No operation loops over ids or samples in Python.
+sample. No operation loops over ids or samples in Python. ``empty_like`` and ``copy_`` stage a
+batch on another device (allocate once, copy in place); ``clear_storage`` frees a batch early.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from embshard_types.sparse._validation import (
     check_key_sizes,
     check_keys,
     check_layout,
+    check_same_weighting,
     check_stride_per_key_per_rank,
+    copy_checked,
     validate_jagged_data,
 )
 from embshard_types.sparse.jagged import JaggedTensor
@@ -171,6 +174,19 @@ class KeyedJaggedTensor:
         )
 
     @staticmethod
+    def empty_like(
+        kjt: KeyedJaggedTensor, device: torch.device | str | None = None
+    ) -> KeyedJaggedTensor:
+        """Return an uninitialized KeyedJaggedTensor shaped for ``copy_`` from ``kjt``, or empty.
+
+        Without ``device``: no keys and no ids, with ``kjt``'s stride, dtypes, weightedness and
+        device. With ``device``: ``torch.empty_like`` of each tensor ``kjt`` holds (lengths
+        and/or offsets as it holds them, inverse indices) on ``device``, with its keys, strides
+        and known per-key sizes.
+        """
+        return _kjt_empty_like(kjt, device)
+
+    @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
         """Build from one JaggedTensor of ids per key (all weighted or none); validates and syncs.
 
@@ -292,9 +308,27 @@ class KeyedJaggedTensor:
         """The device of the values."""
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        """Bytes held by the values, weights and the lengths / offsets present (given or cached).
+
+        Inverse indices are not counted, nor host-side lists such as the per-rank strides.
+        """
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self._values, self._weights, self._lengths, self._offsets)
+            if t is not None
+        )
+
     def sync(self) -> KeyedJaggedTensor:
         """Compute and cache ``length_per_key`` / ``offset_per_key`` now; return self."""
         self._key_sizes()
+        return self
+
+    def unsync(self) -> KeyedJaggedTensor:
+        """Forget cached ``length_per_key`` / ``offset_per_key`` (recomputed on next use); self."""
+        self._length_per_key = None
+        self._offset_per_key = None
+        self._length_per_key_given = False
         return self
 
     # ---- per-key views -------------------------------------------------------------------
@@ -334,6 +368,23 @@ class KeyedJaggedTensor:
         """Reorder keys: output key ``i`` is input key ``indices[i]`` (repeats, drops allowed)."""
         return _permute_kjt(self, indices)
 
+    def flatten_lengths(self) -> KeyedJaggedTensor:
+        """Return a KeyedJaggedTensor of the same ids and lengths with per-key sizes computed.
+
+        Lengths are always 1-D here, so what remains of TorchRec's method: the result holds
+        no offsets and no inverse indices (as TorchRec's), and ``length_per_key`` is synced.
+        """
+        return KeyedJaggedTensor(
+            self._keys,
+            self._values,
+            weights=self._weights,
+            lengths=self.lengths().view(-1),
+            stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
+            length_per_key=self.length_per_key(),
+            allow_duplicate_keys=self._allow_duplicate_keys,
+        )
+
     # ---- devices and streams -------------------------------------------------------------
 
     def to(
@@ -370,6 +421,35 @@ class KeyedJaggedTensor:
             inverse_indices=None if inverse is None else (inverse[0], fn(inverse[1])),
             allow_duplicate_keys=self._allow_duplicate_keys,
         )
+
+    def copy_(self, kjt: KeyedJaggedTensor, non_blocking: bool = False) -> KeyedJaggedTensor:
+        """Copy ``kjt``'s data into this KeyedJaggedTensor's tensors in place; return self.
+
+        This one's tensors keep their device and dtype; the lengths / offsets it holds are
+        filled from ``kjt``'s (derived there if ``kjt`` holds only the other), and so are its
+        inverse indices. The host-side layout (strides, per-key sizes) is taken from ``kjt``.
+
+        Raises:
+            ValueError: the keys differ, a tensor's shape differs from ``kjt``'s, or only one
+                of them has weights / inverse indices (allocate this one with
+                ``KeyedJaggedTensor.empty_like(kjt, device)``).
+        """
+        _copy_kjt(self, kjt, non_blocking)
+        return self
+
+    def clear_storage(self) -> int:
+        """Free the storage of the values, weights, lengths and offsets; return the bytes freed.
+
+        Releases a batch's device memory before the object goes away; it is unusable after.
+        Storage is freed for every tensor that shares it (e.g. the batch these are views of).
+        The count is ``size_in_bytes()`` before clearing.
+        """
+        size = self.size_in_bytes()
+        for t in (self._values, self._weights, self._lengths, self._offsets):
+            if t is not None:
+                t.untyped_storage().resize_(0)
+        self._jt_dict = None
+        return size
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Mark every tensor as in use by ``stream`` (see ``Tensor.record_stream``)."""
@@ -447,6 +527,90 @@ class KeyedJaggedTensor:
 
 
 # ---- key-wise operations that build new KeyedJaggedTensors -----------------------------
+
+
+def _kjt_empty_like(kjt: KeyedJaggedTensor, device: torch.device | str | None) -> KeyedJaggedTensor:
+    """See ``KeyedJaggedTensor.empty_like``."""
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise TypeError(f"{_OWNER}.empty_like: expected a {_OWNER}, got {type(kjt).__name__}")
+    weights = kjt.weights_or_none()
+    if device is None:
+        index = kjt.lengths_or_none()
+        index_dtype = (index if index is not None else kjt.offsets()).dtype
+        return KeyedJaggedTensor(
+            [],
+            kjt.values().new_empty(0),
+            weights=None if weights is None else weights.new_empty(0),
+            lengths=torch.empty(0, dtype=index_dtype, device=kjt.device()),
+            stride=kjt.stride(),
+        )
+
+    def like(t: Tensor | None) -> Tensor | None:
+        return None if t is None else torch.empty_like(t, device=device)
+
+    inverse = kjt.inverse_indices_or_none()
+    keys = kjt.keys()
+    return KeyedJaggedTensor(
+        keys,
+        torch.empty_like(kjt.values(), device=device),
+        weights=like(weights),
+        lengths=like(kjt.lengths_or_none()),
+        offsets=like(kjt.offsets_or_none()),
+        stride=kjt.stride(),
+        stride_per_key_per_rank=(
+            kjt.stride_per_key_per_rank() if kjt.variable_stride_per_key() else None
+        ),
+        length_per_key=kjt.length_per_key_or_none(),
+        offset_per_key=kjt.offset_per_key_or_none(),
+        inverse_indices=(
+            None if inverse is None else (inverse[0], torch.empty_like(inverse[1], device=device))
+        ),
+        allow_duplicate_keys=len(set(keys)) < len(keys),
+    )
+
+
+def _copy_kjt(dst: KeyedJaggedTensor, src: KeyedJaggedTensor, non_blocking: bool) -> None:
+    """See ``KeyedJaggedTensor.copy_``."""
+    owner = f"{_OWNER}.copy_"
+    if not isinstance(src, KeyedJaggedTensor):
+        raise TypeError(f"{owner}: expected a {_OWNER}, got {type(src).__name__}")
+    if dst.keys() != src.keys():
+        raise ValueError(
+            f"{owner}: the source has keys {src.keys()} but this one has {dst.keys()}; allocate "
+            "the destination with empty_like(source, device)"
+        )
+    check_same_weighting(owner, dst._weights is not None, src._weights is not None)
+    dst_inverse, src_inverse = dst._inverse_indices, src._inverse_indices
+    if (dst_inverse is None) != (src_inverse is None):
+        has, lacks = (
+            ("this one", "the source") if dst_inverse is not None else ("the source", "this one")
+        )
+        raise ValueError(
+            f"{owner}: {has} has inverse indices but {lacks} has none; allocate the destination "
+            "with empty_like(source, device)"
+        )
+    pairs = [("values", dst._values, src._values)]
+    if dst._weights is not None:
+        pairs.append(("weights", dst._weights, src.weights()))
+    if dst._lengths is not None:
+        pairs.append(("lengths", dst._lengths, src.lengths()))
+    if dst._offsets is not None:
+        pairs.append(("offsets", dst._offsets, src.offsets()))
+    if dst_inverse is not None and src_inverse is not None:
+        pairs.append(("inverse indices", dst_inverse[1], src_inverse[1]))
+    copy_checked(owner, pairs, non_blocking)
+    # The host-side layout follows the source (same keys and lengths shape, so it fits).
+    dst._stride = src._stride
+    per_rank = src._stride_per_key_per_rank
+    dst._stride_per_key_per_rank = None if per_rank is None else [list(s) for s in per_rank]
+    dst._stride_per_key = list(src._stride_per_key)
+    dst._bounds = list(src._bounds)
+    dst._length_per_key = src.length_per_key_or_none()
+    dst._offset_per_key = src.offset_per_key_or_none()
+    dst._length_per_key_given = src._length_per_key_given
+    if dst_inverse is not None and src_inverse is not None:
+        dst._inverse_indices = (list(src_inverse[0]), dst_inverse[1])
+    dst._jt_dict = None
 
 
 def _split_kjt(kjt: KeyedJaggedTensor, segments: Sequence[int]) -> list[KeyedJaggedTensor]:

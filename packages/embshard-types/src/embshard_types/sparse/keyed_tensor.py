@@ -2,7 +2,8 @@
 
 Key ``k`` owns ``length_per_key[k]`` entries of ``key_dim``; per-key views are slices. Checks run
 at construction and never read tensor data. ``regroup`` gathers keys from several KeyedTensors
-with one ``torch.cat`` per group and keeps autograd intact.
+with one ``torch.cat`` per group and keeps autograd intact; the module functions ``regroup_kts``
+and ``permute_multi_embedding`` are TorchRec's names for the same operation.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ class KeyedTensor:
         """The device of the values."""
         return self._values.device
 
+    def size_in_bytes(self) -> int:
+        """Bytes held by the values (``numel * element_size``; views count their own part)."""
+        return self._values.numel() * self._values.element_size()
+
     def __getitem__(self, key: str) -> Tensor:
         """The block of ``key`` (a view); KeyError listing the keys if absent."""
         index = self._index_per_key.get(key)
@@ -143,31 +148,7 @@ class KeyedTensor:
             ValueError: inputs that do not line up, a key held by two inputs, or a requested
                 key that no input holds (the message names it).
         """
-        if not keyed_tensors:
-            raise ValueError(f"{_OWNER}.regroup: keyed_tensors is empty; give at least one")
-        where = _locate_keys(keyed_tensors)
-        key_dim = keyed_tensors[0].key_dim()
-        out: list[Tensor] = []
-        for g, group in enumerate(groups):
-            pieces: list[tuple[int, int, int]] = []  # (input, start, stop), adjacent merged
-            for key in group:
-                found = where.get(key)
-                if found is None:
-                    raise ValueError(
-                        f"{_OWNER}.regroup: key {key!r} in groups[{g}] is not in any of the "
-                        f"keyed tensors; they hold {_key_listing(where)}"
-                    )
-                kt, start, stop = found
-                if pieces and pieces[-1][0] == kt and pieces[-1][2] == start:
-                    pieces[-1] = (kt, pieces[-1][1], stop)
-                else:
-                    pieces.append((kt, start, stop))
-            if not pieces:
-                out.append(keyed_tensors[0].values().narrow(key_dim, 0, 0).clone())
-                continue
-            slices = [keyed_tensors[kt].values().narrow(key_dim, a, b - a) for kt, a, b in pieces]
-            out.append(torch.cat(slices, dim=key_dim))
-        return out
+        return _regroup(keyed_tensors, groups, f"{_OWNER}.regroup")
 
     @staticmethod
     def regroup_as_dict(
@@ -213,7 +194,80 @@ class KeyedTensor:
         return "\n".join(lines)
 
 
-def _locate_keys(keyed_tensors: Sequence[KeyedTensor]) -> dict[str, tuple[int, int, int]]:
+# ---- TorchRec's module-level names for regrouping ----------------------------------------
+
+
+def regroup_kts(
+    keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]
+) -> list[Tensor]:
+    """Gather keys from several KeyedTensors into one tensor per group (``KeyedTensor.regroup``).
+
+    Raises:
+        ValueError: as ``KeyedTensor.regroup`` (the message names ``regroup_kts``).
+    """
+    return _regroup(keyed_tensors, groups, "regroup_kts")
+
+
+def permute_multi_embedding(
+    keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]
+) -> list[Tensor]:
+    """Gather keys from several KeyedTensors into one tensor per group (``KeyedTensor.regroup``).
+
+    TorchRec runs FBGEMM's multi-embedding permute kernel here; embshard slices and concatenates
+    (one ``torch.cat`` per group), with the same outputs and gradients.
+
+    Raises:
+        ValueError: as ``KeyedTensor.regroup`` (the message names ``permute_multi_embedding``).
+    """
+    return _regroup(keyed_tensors, groups, "permute_multi_embedding")
+
+
+def _regroup(
+    keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], owner: str
+) -> list[Tensor]:
+    """See ``KeyedTensor.regroup``; ``owner`` starts every error message."""
+    if isinstance(keyed_tensors, KeyedTensor):
+        raise TypeError(f"{owner}: got one KeyedTensor; give a list of KeyedTensors")
+    if not keyed_tensors:
+        raise ValueError(f"{owner}: keyed_tensors is empty; give at least one")
+    for i, item in enumerate(keyed_tensors):
+        if not isinstance(item, KeyedTensor):
+            raise TypeError(
+                f"{owner}: keyed_tensors[{i}] is a {type(item).__name__}, not a KeyedTensor; "
+                "give a list of KeyedTensors"
+            )
+    where = _locate_keys(keyed_tensors, owner)
+    key_dim = keyed_tensors[0].key_dim()
+    out: list[Tensor] = []
+    for g, group in enumerate(groups):
+        if isinstance(group, str):
+            raise TypeError(
+                f"{owner}: groups[{g}] is the string {group!r}; give a list of keys per group"
+            )
+        pieces: list[tuple[int, int, int]] = []  # (input, start, stop), adjacent merged
+        for key in group:
+            found = where.get(key)
+            if found is None:
+                raise ValueError(
+                    f"{owner}: key {key!r} in groups[{g}] is not in any of the "
+                    f"keyed tensors; they hold {_key_listing(where)}"
+                )
+            kt, start, stop = found
+            if pieces and pieces[-1][0] == kt and pieces[-1][2] == start:
+                pieces[-1] = (kt, pieces[-1][1], stop)
+            else:
+                pieces.append((kt, start, stop))
+        if not pieces:
+            out.append(keyed_tensors[0].values().narrow(key_dim, 0, 0).clone())
+            continue
+        slices = [keyed_tensors[kt].values().narrow(key_dim, a, b - a) for kt, a, b in pieces]
+        out.append(torch.cat(slices, dim=key_dim))
+    return out
+
+
+def _locate_keys(
+    keyed_tensors: Sequence[KeyedTensor], owner: str
+) -> dict[str, tuple[int, int, int]]:
     """Map every key to ``(input index, start, stop)``; check the inputs line up."""
     first = keyed_tensors[0]
     key_dim = first.key_dim()
@@ -222,7 +276,7 @@ def _locate_keys(keyed_tensors: Sequence[KeyedTensor]) -> dict[str, tuple[int, i
     for i, kt in enumerate(keyed_tensors):
         if kt.key_dim() != key_dim or _other_dims(kt) != other_dims:
             raise ValueError(
-                f"{_OWNER}.regroup: keyed_tensors[{i}] has values {tuple(kt.values().shape)} "
+                f"{owner}: keyed_tensors[{i}] has values {tuple(kt.values().shape)} "
                 f"with key_dim {kt.key_dim()} but keyed_tensors[0] has "
                 f"{tuple(first.values().shape)} with key_dim {key_dim}; they must match "
                 "except along key_dim"
@@ -231,7 +285,7 @@ def _locate_keys(keyed_tensors: Sequence[KeyedTensor]) -> dict[str, tuple[int, i
         for k, key in enumerate(kt.keys()):
             if key in where:
                 raise ValueError(
-                    f"{_OWNER}.regroup: key {key!r} is in keyed_tensors[{where[key][0]}] and "
+                    f"{owner}: key {key!r} is in keyed_tensors[{where[key][0]}] and "
                     f"keyed_tensors[{i}]; each key may come from one input only"
                 )
             where[key] = (i, offsets[k], offsets[k + 1])
