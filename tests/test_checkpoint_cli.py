@@ -33,6 +33,8 @@ from embshard_kernels.collections import EmbeddingBagCollection
 TRAIN = [
     "train", "--nproc", "2", "--rows", "200", "--batch-size", "16", "--device", "cpu",
     "--optimizer", "adam", "--sharding", "t0=row_wise,t1=column_wise,t2=data_parallel",
+    # small data and evaluations: 6 steps read 192 rows (no second epoch), as with the default
+    "--synthetic-rows", "1024", "--eval-batches", "2",
 ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from _default_job import default_job
 from _mp import require_devices, selected_backend
 
 from embshard_dist.cli import main
@@ -133,15 +134,14 @@ def _run(
 # ---- the main job ------------------------------------------------------------------------
 
 
-def test_default_run_trains_and_reports(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    summary_path = tmp_path / "summary.json"
-    start = time.monotonic()
-    assert main(["train", "--json", str(summary_path)]) == 0
-    assert time.monotonic() - start < 50
-    out = capfd.readouterr().out
+def test_default_run_trains_and_reports(tmp_path_factory: pytest.TempPathFactory) -> None:
+    job = default_job(tmp_path_factory)  # `embshard train --json FILE`, shared with test_train_job
+    assert job.code == 0, job.out[-3000:]
+    assert job.seconds < 50
+    out = job.out
     assert "param | sharding type | compute kernel | ranks" in out  # the plan, as a table
     device = "cuda" if default_backend(2) == "nccl" else "cpu"  # what --device auto picks
-    summary = json.loads(summary_path.read_text())
+    summary = job.summary
     kinds = {t["sharding_type"] for t in summary["plan"]["modules"]["sparse_arch"]["tables"].values()}  # fmt: skip
     assert kinds and kinds <= {kind.value for kind in ShardingType}  # the cost-based planner's
     assert all(kind in out for kind in kinds)
@@ -162,6 +162,7 @@ def test_runs_under_torchrun(tmp_path: Path) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--no-python", str(embshard), "train",
         "--steps", "4", "--rows", "500", "--batch-size", "32", "--device", "cpu",
+        "--synthetic-rows", "1024", "--eval-batches", "2",  # 4 steps read 256 rows
         "--sharding", "t0=row_wise,t1=data_parallel,t2=auto", "--optimizer", "adam",
         "--json", str(summary_path),
     ]  # fmt: skip
@@ -202,6 +203,7 @@ def test_a_plan_file_is_used_as_it_is(tmp_path: Path, capfd: pytest.CaptureFixtu
     )
     summary_path = tmp_path / "summary.json"
     argv = ["train", "--tables", "2", "--steps", "3", "--plan", str(plan_path)]
+    argv += ["--synthetic-rows", "2048", "--eval-batches", "2"]  # 3 steps read 1536 rows
     assert main([*argv, "--json", str(summary_path)]) == 0
     chosen = json.loads(summary_path.read_text())["plan"]["modules"]["sparse_arch"]["tables"]
     assert chosen["t0"]["sharding_type"] == "row_wise"

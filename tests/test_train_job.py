@@ -12,13 +12,13 @@ import json
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 from _ckpt import data, full_state, make_dmp, same, train
+from _default_job import default_job
 from _mp import run_on_ranks
 
 from embshard_dist.cli import main
@@ -46,11 +46,12 @@ def _train(tmp: Path, name: str, *argv: str) -> dict[str, Any]:
 
 
 def test_default_job_learns_and_leaves_a_plot_and_a_log(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    start = time.monotonic()
-    summary = _train(tmp_path, "run")
-    assert time.monotonic() - start < 60
+    job = default_job(tmp_path_factory)  # `embshard train --json FILE`, shared with test_train_cli
+    assert job.code == 0, job.out[-3000:]
+    assert job.seconds < 60
+    summary = job.summary
     evals = summary["history"]["eval"]
     assert [e["step"] for e in evals] == [0, 25, 50, 75, 100]
     assert abs(evals[0]["auc"] - 0.5) < 0.1  # an untrained model ranks clicks at random
@@ -60,10 +61,12 @@ def test_default_job_learns_and_leaves_a_plot_and_a_log(
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     text = log.read_text()
     assert "step 100/100" in text and "eval  100/100 | held-out ne" in text
-    out = capfd.readouterr().out
+    out = job.out
     assert f"plot: {plot}" in out and f"log: {log}" in out  # the summary names both
     assert "held-out: AUC" in out and "ETA" not in out  # not a terminal: plain lines, no bar
-    assert (tmp_path / "run" / "data" / "day_0").is_file()  # the generated days, kept
+    run_dir = Path(summary["run_dir"])
+    assert run_dir.parent == (job.cwd / "runs").resolve()  # the default: a new folder in ./runs
+    assert (run_dir / "data" / "day_0").is_file()  # the generated days, kept
 
 
 # ---- evaluation leaves the model as it was -------------------------------------------------
