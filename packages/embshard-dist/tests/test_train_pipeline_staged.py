@@ -8,15 +8,20 @@ the refusals. The results on real ranks are in ``tests/test_train_pipeline_stage
 from __future__ import annotations
 
 import inspect
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from test_train_pipeline_unit import (  # the same batches, the one-rank group, the checks
+    Batch,
+    assert_same_state,
+    batches,
+    plain_loop,
+)
+from test_train_pipeline_unit import one_rank_group as one_rank_group  # autouse fixture
 from torch import Tensor, nn
 
 from embshard_dist.dmp.model_parallel import DistributedModelParallel
@@ -41,29 +46,6 @@ TABLES = [
 ]
 SPEC = OptimizerSpec.from_name("rowwise_adagrad", lr=0.2, eps=1e-3)
 CPU_STREAM = torch.Stream("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group() -> Iterator[None]:
-    """A one-rank gloo group in this process (unless the session already has one)."""
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class Batch:
-    dense_features: Tensor
-    sparse_features: KeyedJaggedTensor
-    labels: Tensor
 
 
 class Model(nn.Module):
@@ -91,48 +73,6 @@ def sharded(kind: ShardingType = ShardingType.ROW_WISE) -> Any:
     shardings = {t.name: ParameterSharding(kind, "fused", ranks=ranks) for t in TABLES}
     plan = ShardingPlan({"sparse": EmbeddingModuleShardingPlan(shardings)})
     return DistributedModelParallel(Model(), plan=plan, optimizer=SPEC, device="cpu")
-
-
-def batches(count: int, start: int = 0) -> list[Batch]:
-    out = []
-    for step in range(start, start + count):
-        g = torch.Generator().manual_seed(step)
-        lengths = torch.randint(0, 3, (2 * 4,), generator=g)
-        rows = [10] * 4 + [6] * 4
-        ids = torch.cat(
-            [
-                torch.randint(0, r, (int(n),), generator=g)
-                for r, n in zip(rows, lengths, strict=True)
-            ]
-        )
-        kjt = KeyedJaggedTensor(["f_a", "f_b"], ids, lengths=lengths)
-        out.append(
-            Batch(
-                torch.randn(4, 3, generator=g), kjt, torch.randint(0, 2, (4,), generator=g).float()
-            )
-        )
-    return out
-
-
-def assert_same_state(model: Any, reference: Any) -> None:
-    """Every weight of ``model`` equals ``reference``'s, bit for bit (local shards)."""
-    for key, value in model.state_dict().items():
-        ref = reference.state_dict()[key]
-        mine = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
-        theirs = ref.local_shards()[0].tensor if hasattr(ref, "local_shards") else ref
-        assert torch.equal(mine, theirs), key
-
-
-def plain_loop(model: Any, data: list[Batch]) -> list[Tensor]:
-    optimizer = model.optimizer()
-    outputs = []
-    for batch in data:
-        optimizer.zero_grad()
-        loss, out = model(batch)
-        loss.backward()
-        optimizer.step()
-        outputs.append(out)
-    return outputs
 
 
 def copy_stage() -> PipelineStage:

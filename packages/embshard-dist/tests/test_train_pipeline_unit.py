@@ -111,9 +111,9 @@ def sharded(mode: str = "plain", kind: ShardingType = ShardingType.ROW_WISE) -> 
     return DistributedModelParallel(Model(mode), plan=plan, optimizer=SPEC, device="cpu")
 
 
-def batches(count: int) -> list[Batch]:
+def batches(count: int, start: int = 0) -> list[Batch]:
     out = []
-    for step in range(count):
+    for step in range(start, start + count):
         g = torch.Generator().manual_seed(step)
         lengths = torch.randint(0, 3, (2 * 4,), generator=g)
         rows = [10] * 4 + [6] * 4
