@@ -783,3 +783,24 @@ def test_compute_returns_torchrecs_deferrable_metrics_resolved() -> None:
     with pytest.raises(KeyError, match="no such key"):
         computed.subscribe(failing)
     assert isinstance(module.local_compute(), DeferrableMetrics)
+
+
+def test_throughput_takes_torchrecs_keywords() -> None:
+    """``ThroughputMetric(batch_size=, world_size=, window_seconds=, warmup_steps=)`` as TorchRec
+    calls it; ``world_size`` must be the group's, ``batch_size_stages`` is refused."""
+    now = [0.0]
+    metric = ThroughputMetric(
+        batch_size=8, world_size=1, window_seconds=60, warmup_steps=2, clock=lambda: now[0]
+    )
+    for _ in range(4):
+        now[0] += 1.0
+        metric.update()
+    values = metric.compute()
+    assert float(values["throughput-throughput|total_examples"]) == 32
+    assert float(values["throughput-throughput|lifetime_throughput"]) == 8.0  # 16 in 2 s
+    with pytest.raises(ValueError, match=r"world_size=4, but the metrics sum the counts of 1"):
+        ThroughputMetric(batch_size=8, world_size=4, window_seconds=60)
+    with pytest.raises(ValueError, match=r"batch_size_stages .* num_examples"):
+        ThroughputMetric(batch_size=8, window_seconds=60, batch_size_stages=[object()])
+    with pytest.raises(ValueError, match=r"warmup_steps must be an int >= 0"):
+        ThroughputMetric(batch_size=8, warmup_steps=-1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,25 @@ RATES = ("lifetime_rate", "attempt_rate", "window_rate")
 STATES = CHECKPOINTED + ATTEMPT + RATES
 
 
+def _check_world_size(world_size: int | None, group: dist.ProcessGroup | None) -> None:
+    """TorchRec's ``world_size`` multiplies each rank's count; here every rank's own count is
+    summed over ``group``, so a given ``world_size`` must be that group's size (1 outside a
+    process group).
+
+    Raises:
+        ValueError: it is not.
+    """
+    if world_size is None:
+        return
+    ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world_size != ranks:
+        raise ValueError(
+            f"throughput: world_size={world_size!r}, but the metrics sum the counts of "
+            f"{ranks} rank(s) ({'the group' if dist.is_initialized() else 'no process group'}); "
+            "pass the group's size or leave world_size out"
+        )
+
+
 def _rate(examples: torch.Tensor, warmup: torch.Tensor, seconds: torch.Tensor) -> float:
     return float(examples - warmup) / float(seconds) if float(seconds) > 0 else 0.0
 
@@ -48,9 +67,18 @@ class ThroughputMetric(Metric):
 
     Args:
         batch_size: examples per ``update()`` on this rank when none are given.
+        world_size: TorchRec's argument, checked: the size of ``group`` (1 without a process
+            group), since each rank's own count is summed over the group instead of multiplied.
         window_seconds: how far back the window reaches.
+        warmup_steps: updates left out of the rates (TorchRec's default is 100; here 0).
+        batch_size_stages: TorchRec's per-step batch sizes; refused (give ``update`` its
+            ``num_examples``).
         group: the process group to reduce over (default: the default group, if any).
         clock: seconds, monotonic (a parameter for tests).
+
+    Raises:
+        ValueError: a size, window or warm-up out of range, a ``world_size`` that is not the
+            group's, or ``batch_size_stages``.
     """
 
     is_differentiable = False
@@ -70,7 +98,10 @@ class ThroughputMetric(Metric):
         self,
         batch_size: int,
         *,
+        world_size: int | None = None,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        warmup_steps: int = 0,
+        batch_size_stages: Sequence[Any] | None = None,
         group: dist.ProcessGroup | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -79,12 +110,20 @@ class ThroughputMetric(Metric):
                 f"throughput: batch_size and window_seconds must be positive, got {batch_size}, "
                 f"{window_seconds}"
             )
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"throughput: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if batch_size_stages is not None:
+            raise ValueError(
+                "throughput: batch_size_stages (TorchRec's batch size per step range) is not "
+                "taken: give each update() its num_examples instead"
+            )
+        _check_world_size(world_size, group)
         # No cached result: every compute() reduces on every rank (see RecMetricComputation).
         super().__init__(
             process_group=group, dist_sync_fn=all_reduce_states, compute_with_cache=False
         )
         self.batch_size, self.window_seconds, self.group = batch_size, window_seconds, group
-        self.warmup_steps = 0
+        self.warmup_steps = warmup_steps
         self.steps = 0
         self._clock = clock
         for state in STATES:

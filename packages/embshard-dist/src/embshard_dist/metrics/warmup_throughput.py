@@ -39,7 +39,10 @@ class WarmupThroughputMetric(ThroughputMetric):
         group: dist.ProcessGroup | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if warmup_steps < 0:
-            raise ValueError(f"throughput: warmup_steps must be >= 0, got {warmup_steps}")
-        super().__init__(batch_size, window_seconds=window_seconds, group=group, clock=clock)
-        self.warmup_steps = warmup_steps
+        super().__init__(
+            batch_size,
+            window_seconds=window_seconds,
+            warmup_steps=warmup_steps,
+            group=group,
+            clock=clock,
+        )
