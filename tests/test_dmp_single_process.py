@@ -5,7 +5,8 @@
   model, checked in a fresh interpreter so this test session's state stays untouched.
 * ``local_world_size=`` sets the node size of the default sharders; ``init_parameters=False``
   leaves the dense rest on ``meta`` and ``init_data_parallel`` then refuses clearly; a
-  ``data_parallel_wrapper`` is what makes the dense rest data-parallel.
+  ``data_parallel_wrapper`` is what makes the dense rest data-parallel; TorchRec's
+  ``get_module`` / ``get_unwrapped_module`` unwrap DMP (and DDP) as TorchRec's do.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from test_dmp_in_backward import DIM, LR, ROWS, STEPS, TOL, Model, batch, refere
 from torch import nn
 
 from embshard_dist.dmp.dense import DefaultDataParallelWrapper
-from embshard_dist.dmp.model_parallel import DistributedModelParallel
+from embshard_dist.dmp.model_parallel import (
+    DistributedModelParallel,
+    get_module,
+    get_unwrapped_module,
+)
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_dist.sharded.plan_helpers import (
     column_wise,
@@ -148,6 +153,10 @@ def keyword_arguments() -> dict[str, Any]:
     dmp.init_data_parallel()
     out["wrapped_after"] = type(dmp._dmp_wrapped_module).__name__
     out["wrapper_calls"] = RecordingWrapper.calls
+    # TorchRec's unwrapping helpers: get_module keeps the DDP wrapper, get_unwrapped_module not.
+    out["get_module"] = type(get_module(dmp)).__name__
+    out["unwrapped_is_model"] = get_unwrapped_module(dmp) is model is dmp.module
+    out["plain_is_itself"] = get_unwrapped_module(model.ebc) is model.ebc
     out["fused_keys"] = sorted(dmp.fused_optimizer.params)
     try:
         DistributedModelParallel(
@@ -181,6 +190,8 @@ def test_torchrec_keyword_arguments() -> None:
         assert result["wrapped_before"] == "Model"
         assert result["wrapped_after"] == "DistributedDataParallel"
         assert result["wrapper_calls"] == 1
+        assert result["get_module"] == "DistributedDataParallel"
+        assert result["unwrapped_is_model"] and result["plain_is_itself"]
         assert "local_world_size only configures the default sharders" in result["own_sharders"]
         assert "default group of 2 ranks, not 1" in result["local_env"]
         assert result["meta_left"] is True

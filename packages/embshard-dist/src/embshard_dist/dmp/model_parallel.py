@@ -51,7 +51,12 @@ from embshard_types.env import ShardingEnv
 from embshard_types.interfaces import ModuleSharder
 from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
 
-__all__ = ["DEFAULT_EMBEDDING_OPTIMIZER", "DistributedModelParallel"]
+__all__ = [
+    "DEFAULT_EMBEDDING_OPTIMIZER",
+    "DistributedModelParallel",
+    "get_module",
+    "get_unwrapped_module",
+]
 
 DEFAULT_EMBEDDING_OPTIMIZER = OptimizerSpec(OptimType.SGD, learning_rate=0.01)
 """The embedding optimizer when none is given: FBGEMM's (and TorchRec's) default."""
@@ -503,3 +508,25 @@ def _swap(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, new)
     return model
+
+
+def get_module(module: nn.Module) -> nn.Module:
+    """``module`` without its ``DistributedModelParallel`` wrappers (TorchRec's ``get_module``):
+    a DDP wrapper of the dense part is kept, so its own overrides still apply."""
+    while isinstance(module, DistributedModelParallel):
+        module = module._dmp_wrapped_module
+    return module
+
+
+def get_unwrapped_module(module: nn.Module) -> nn.Module:
+    """``module`` without any ``DistributedModelParallel``, DDP or FSDP wrapper (TorchRec's
+    ``get_unwrapped_module``): the user's model, its sharded sub-modules in place."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    while True:
+        if isinstance(module, DistributedModelParallel):
+            module = module._dmp_wrapped_module
+        elif isinstance(module, nn.parallel.DistributedDataParallel | FullyShardedDataParallel):
+            module = cast(nn.Module, module.module)
+        else:
+            return module
