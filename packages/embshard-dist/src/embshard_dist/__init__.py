@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from embshard_dist.comm.local import get_local_rank, get_local_size
     from embshard_dist.comm.qcomms import (
         CommsPrecision,
         QCommsConfig,
@@ -22,7 +23,12 @@ if TYPE_CHECKING:
     from embshard_dist.comm.timeouts import CollectiveError
     from embshard_dist.dmp.collection import DMPCollection
     from embshard_dist.dmp.dense import DataParallelWrapper, DefaultDataParallelWrapper
-    from embshard_dist.dmp.model_parallel import DistributedModelParallel
+    from embshard_dist.dmp.model_parallel import (
+        DistributedModelParallel,
+        get_module,
+        get_unsharded_module_names,
+        get_unwrapped_module,
+    )
     from embshard_dist.planner.constraints import ParameterConstraints
     from embshard_dist.planner.planner import EmbeddingShardingPlanner
     from embshard_dist.planner.topology import Topology
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
         construct_module_sharding_plan,
         data_parallel,
         get_default_sharders,
+        get_module_to_default_sharders,
         grid_shard,
         row_wise,
         table_column_wise,
@@ -75,6 +82,12 @@ _LAZY: dict[str, str] = {
     "construct_module_sharding_plan": "embshard_dist.sharded.plan_helpers",
     "data_parallel": "embshard_dist.sharded.plan_helpers",
     "get_default_sharders": "embshard_dist.sharded.plan_helpers",
+    "get_local_rank": "embshard_dist.comm.local",
+    "get_local_size": "embshard_dist.comm.local",
+    "get_module": "embshard_dist.dmp.model_parallel",
+    "get_module_to_default_sharders": "embshard_dist.sharded.plan_helpers",
+    "get_unsharded_module_names": "embshard_dist.dmp.model_parallel",
+    "get_unwrapped_module": "embshard_dist.dmp.model_parallel",
     "grid_shard": "embshard_dist.sharded.plan_helpers",
     "row_wise": "embshard_dist.sharded.plan_helpers",
     "table_column_wise": "embshard_dist.sharded.plan_helpers",
@@ -106,6 +119,12 @@ __all__ = [
     "construct_module_sharding_plan",
     "data_parallel",
     "get_default_sharders",
+    "get_local_rank",
+    "get_local_size",
+    "get_module",
+    "get_module_to_default_sharders",
+    "get_unsharded_module_names",
+    "get_unwrapped_module",
     "grid_shard",
     "row_wise",
     "table_column_wise",

@@ -48,13 +48,14 @@ from embshard_optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.comm_codec import QCommCodecsRegistry
 from embshard_types.env import ShardingEnv
-from embshard_types.interfaces import ModuleSharder
+from embshard_types.interfaces import ModuleSharder, ShardedModule
 from embshard_types.plan import EmbeddingModuleShardingPlan, ShardingPlan
 
 __all__ = [
     "DEFAULT_EMBEDDING_OPTIMIZER",
     "DistributedModelParallel",
     "get_module",
+    "get_unsharded_module_names",
     "get_unwrapped_module",
 ]
 
@@ -530,3 +531,24 @@ def get_unwrapped_module(module: nn.Module) -> nn.Module:
             module = cast(nn.Module, module.module)
         else:
             return module
+
+
+def get_unsharded_module_names(model: nn.Module) -> list[str]:
+    """The paths of the modules of ``model`` that hold no sharded module but have a sibling that
+    is or holds one (TorchRec's ``get_unsharded_module_names``: the dense parts beside the
+    sharded ones, at the highest level where they separate); the order is not defined."""
+    names: list[str] = []
+    _holds_sharded(model, "", names)
+    return names
+
+
+def _holds_sharded(module: nn.Module, prefix: str, names: list[str]) -> bool:
+    children = list(module.named_children())
+    sharded = {
+        name
+        for name, child in children
+        if isinstance(child, ShardedModule) or _holds_sharded(child, f"{prefix}{name}.", names)
+    }
+    if sharded:
+        names.extend(f"{prefix}{name}" for name, _ in children if name not in sharded)
+    return bool(sharded)

@@ -33,6 +33,7 @@ from embshard_types.vocab import ComputeKernel, ShardingType
 
 __all__ = [
     "ParameterShardingGenerator",
+    "get_module_to_default_sharders",
     "apply_to_all",
     "column_wise",
     "construct_module_sharding_plan",
@@ -66,6 +67,11 @@ def get_default_sharders() -> list[ModuleSharder[Any]]:
         EmbeddingCollectionSharder(),
         QuantEmbeddingBagCollectionSharder(),
     ]
+
+
+def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder[Any]]:
+    """Each default sharder (:func:`get_default_sharders`) by the module type it shards."""
+    return {sharder.module_type: sharder for sharder in get_default_sharders()}
 
 
 def construct_module_sharding_plan(
