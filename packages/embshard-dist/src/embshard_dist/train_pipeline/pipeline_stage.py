@@ -44,7 +44,8 @@ from embshard_dist.train_pipeline.pipelined_forward import (
     PipelinedForward,
     PreparedInput,
     serving,
-    start_input_dist,
+    start_input_dists,
+    start_values,
 )
 from embshard_dist.train_pipeline.sparse_inputs import (
     AnyShardedModule,
@@ -52,7 +53,7 @@ from embshard_dist.train_pipeline.sparse_inputs import (
     SparseOf,
     find_sharded_modules,
 )
-from embshard_dist.train_pipeline.streams import hand_over, on_stream
+from embshard_dist.train_pipeline.streams import hand_over
 
 __all__ = [
     "PipelineStage",
@@ -216,9 +217,7 @@ class SparseDataDistUtil(Generic[In]):
         dists (lengths, ids), on the data-dist stream; what was started already is left as is."""
         for started in self._pending:
             self._start(started, handed_over=False)
-            with on_stream(self._dist):
-                for prepared in started.inputs.values():
-                    prepared.start_values()
+            start_values(started.inputs, self._dist)
 
     def wait_sdd_fill_callback(self) -> None:
         """The stage's fill callback: :meth:`wait_sparse_data_dist` (no forward runs while the
@@ -301,9 +300,7 @@ class SparseDataDistUtil(Generic[In]):
         started.started = True
         if not handed_over and self._dist is not None:
             hand_over(started.batch, torch.cuda.current_stream(self._dist.device), self._dist)
-        with on_stream(self._dist):
-            for path, features in self._inputs(started.batch).items():
-                started.inputs[path] = start_input_dist(self._modules[path], features)
+        started.inputs = start_input_dists(self._modules, self._inputs(started.batch), self._dist)
 
     def _before_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -321,9 +318,7 @@ class SparseDataDistUtil(Generic[In]):
         stack = ExitStack()
         if self._inputs.ready:
             self._start(started, handed_over=False)
-            with on_stream(self._dist):
-                for prepared in started.inputs.values():
-                    prepared.start_values()
+            start_values(started.inputs, self._dist)
             stand_ins = {
                 path: PipelinedForward(path, self._modules[path], prepared, self._dist)
                 for path, prepared in started.inputs.items()

@@ -32,6 +32,8 @@ __all__ = [
     "check_call",
     "serving",
     "start_input_dist",
+    "start_input_dists",
+    "start_values",
 ]
 
 _OWNER = "TrainPipelineSparseDist"
@@ -75,6 +77,23 @@ def start_input_dist(module: AnyShardedModule, features: KeyedJaggedTensor) -> P
     """Start ``module``'s input dist of ``features`` with a fresh context."""
     context = module.create_context()
     return PreparedInput(features, context, module.input_dist(context, features))
+
+
+def start_input_dists(
+    modules: Mapping[str, AnyShardedModule],
+    features: Mapping[str, KeyedJaggedTensor],
+    stream: torch.cuda.Stream | None,
+) -> dict[str, PreparedInput]:
+    """Phase 1 of each module's input dist of its ``features[path]``, on ``stream``."""
+    with on_stream(stream):
+        return {path: start_input_dist(modules[path], kjt) for path, kjt in features.items()}
+
+
+def start_values(inputs: Mapping[str, PreparedInput], stream: torch.cuda.Stream | None) -> None:
+    """Phase 2 of every prepared input dist (each once), on ``stream``."""
+    with on_stream(stream):
+        for prepared in inputs.values():
+            prepared.start_values()
 
 
 class StandIn(Protocol):

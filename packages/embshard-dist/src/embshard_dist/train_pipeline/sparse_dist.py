@@ -35,7 +35,8 @@ from embshard_dist.train_pipeline.pipelined_forward import (
     PipelinedForward,
     PreparedInput,
     serving,
-    start_input_dist,
+    start_input_dists,
+    start_values,
 )
 from embshard_dist.train_pipeline.sparse_inputs import (
     AnyShardedModule,
@@ -327,18 +328,14 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out]):
             return
         flight.started = True
         dist = self._streams.dist
-        with on_stream(dist):
-            hand_over(flight.batch, self._streams.copy, dist)
-            for path, features in self._inputs(flight.batch).items():
-                flight.inputs[path] = start_input_dist(self._modules[path], features)
+        hand_over(flight.batch, self._streams.copy, dist)
+        flight.inputs = start_input_dists(self._modules, self._inputs(flight.batch), dist)
 
     def _start_values(self, flight: _InFlight) -> None:
         """Phase 2 of every pipelined module's input dist, on the input-dist stream (phase 1
         first if it has not started)."""
         self._start_dist(flight)
-        with on_stream(self._streams.dist):
-            for prepared in flight.inputs.values():
-                prepared.start_values()
+        start_values(flight.inputs, self._streams.dist)
 
     def _drop_in_flight(self) -> None:
         """Finish the collectives already started for the batches left, then forget them."""

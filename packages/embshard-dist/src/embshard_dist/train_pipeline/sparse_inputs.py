@@ -166,7 +166,6 @@ class SparseInputs:
         self, modules: Mapping[str, AnyShardedModule], sparse_of: SparseOf | None = None
     ) -> None:
         self._modules = dict(modules)
-        self._paths = list(modules)
         self._sparse_of = sparse_of
         self._learned: dict[str, BatchPath] | None = None
 
@@ -190,7 +189,7 @@ class SparseInputs:
     @contextmanager
     def _learn_from(self, batch: Any) -> Iterator[None]:
         calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {
-            path: [] for path in self._paths
+            path: [] for path in self._modules
         }
 
         def recorder(path: str) -> Callable[..., None]:
@@ -238,17 +237,17 @@ class SparseInputs:
             return self._read_learned(batch)
         given = self._sparse_of(batch)
         if isinstance(given, KeyedJaggedTensor):
-            return dict.fromkeys(self._paths, given)
+            return dict.fromkeys(self._modules, given)
         if not isinstance(given, Mapping):
             raise TypeError(
                 f"{_OWNER}: sparse_of(batch) must return a KeyedJaggedTensor or a dict "
                 f"{{module path: KeyedJaggedTensor}}, got {type(given).__name__}"
             )
-        unknown = sorted(set(given) - set(self._paths))
+        unknown = sorted(set(given) - set(self._modules))
         if unknown:
             raise ValueError(
                 f"{_OWNER}: sparse_of(batch) names {unknown}, which are not sharded modules of "
-                f"the model; its sharded modules are {self._paths}"
+                f"the model; its sharded modules are {list(self._modules)}"
             )
         for path, value in given.items():
             if not isinstance(value, KeyedJaggedTensor):
@@ -256,7 +255,7 @@ class SparseInputs:
                     f"{_OWNER}: sparse_of(batch)[{path!r}] must be a KeyedJaggedTensor, got "
                     f"{type(value).__name__}"
                 )
-        return {path: given[path] for path in self._paths if path in given}
+        return {path: given[path] for path in self._modules if path in given}
 
     def _read_learned(self, batch: Any) -> dict[str, KeyedJaggedTensor]:
         out: dict[str, KeyedJaggedTensor] = {}
