@@ -19,6 +19,7 @@ is checked within 1e-6 (none bit for bit).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from _mp import run_on_ranks, test_device
 import embshard_dist.strategies.dp as dp_module
 from embshard_dist.sharded.embedding_bag import EmbeddingBagCollectionSharder
 from embshard_kernels.collections import EmbeddingBagCollection
+from embshard_kernels.path_probe import ENV_VAR
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.configs import EmbeddingBagConfig
 from embshard_types.env import ShardingEnv
@@ -326,6 +328,33 @@ ALL_CASES = [
     Case("mixed_dense", DENSE, False),
     Case("mixed_dense", DENSE, True),
 ]
+
+
+COLUMN_CASES = [Case("cw", "rowwise_adagrad", weighted) for weighted in (False, True)] + [
+    Case("mixed", "rowwise_adagrad", True)
+]
+
+
+def run_cases_on_path(path: str, cases: list[Case]) -> list[int]:
+    """``run_cases`` with ``EMBSHARD_FUSED_PATH=path`` (restored after: the ranks are pooled)."""
+    before = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = path
+    try:
+        return run_cases(cases)
+    finally:
+        if before is None:
+            del os.environ[ENV_VAR]
+        else:
+            os.environ[ENV_VAR] = before
+
+
+@pytest.mark.parametrize("path", ["fbgemm", "torch"])
+def test_column_blocks_on_either_fused_path(path: str) -> None:
+    # RowWiseAdagrad over column blocks: FBGEMM's update with the row statistic completed
+    # (FbgemmRowStatsTBE) or the torch TBE's; the test above takes the path the probe picks.
+    results = run_on_ranks(2, run_cases_on_path, path, COLUMN_CASES, timeout_s=240)
+    for case_results in zip(*results, strict=True):
+        assert sum(case_results) > 0
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -3,7 +3,8 @@
 ``grad_exchange`` sees every block's summed row gradients in every backward (a table on the
 general path, a run of same-width tables on the fast path), even a block the batch did not
 touch, and what it returns is what the optimizer applies; ``row_reductions`` hands each table's
-rule a RowReduction (full-row statistics of a column shard). Both hold on both paths.
+rule a RowReduction (full-row statistics of a column shard). Both hold on both paths, and
+``row_reductions`` on FBGEMM's TBE completed by ``FbgemmRowStatsTBE`` too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import torch
 from kernel_testing import one_group, table
 from torch import Tensor
 
+from embshard_kernels.fbgemm_row_stats import FbgemmRowStatsTBE
 from embshard_kernels.fused import BatchedFusedEmbeddingBag
+from embshard_kernels.fused_params import FusedParams
+from embshard_kernels.path_probe import ENV_VAR
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimizerSpec
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
@@ -21,10 +25,14 @@ from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 SPEC = OptimizerSpec.from_name("rowwise_adagrad", lr=0.2)
 
 
-def _kernel(dim: int = 4, general: bool = False) -> BatchedFusedEmbeddingBag:
+def _kernel(dim: int = 4, general: bool = False, fbgemm: bool = False) -> BatchedFusedEmbeddingBag:
     config = one_group(table("a", 5, dim, optimizer=SPEC), table("b", 3, dim, optimizer=SPEC))
-    kernel = BatchedFusedEmbeddingBag(config, backend="torch")
-    assert kernel.emb_module.fast is not None
+    if fbgemm:  # FBGEMM's TBE, its row statistics completed (EMBSHARD_FUSED_PATH=fbgemm)
+        kernel = BatchedFusedEmbeddingBag(config, backend="row_stats")
+        assert isinstance(kernel.emb_module, FbgemmRowStatsTBE)
+    else:
+        kernel = BatchedFusedEmbeddingBag(config, backend="torch")
+        assert kernel.emb_module.fast is not None
     if general:  # the general path: per-table blocks
         kernel.emb_module.fast = None
     with torch.no_grad():
@@ -65,12 +73,21 @@ def test_grad_exchange_sees_every_block_and_its_result_is_applied(general: bool)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("general", [False, True], ids=["fast", "general"])
-def test_row_reductions_complete_row_statistics(general: bool) -> None:
+@pytest.mark.parametrize("path", ["fast", "general", "fbgemm"])
+def test_row_reductions_complete_row_statistics(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A width-4 shard whose missing columns are a copy of its own (same weights, same
     # gradients) must update like either half of the whole width-8 table.
-    half, whole = _kernel(4, general=general), _kernel(8)
-    reduction = RowReduction(lambda partial: 2 * partial, full_dim=8)
+    monkeypatch.setenv(ENV_VAR, "fbgemm")
+    half = _kernel(4, general=path == "general", fbgemm=path == "fbgemm")
+    monkeypatch.setenv(ENV_VAR, "torch")
+    whole = _kernel(8)
+    calls: list[int] = []
+
+    def row_sum(partial: Tensor) -> Tensor:
+        calls.append(partial.numel())
+        return 2 * partial
+
+    reduction = RowReduction(row_sum, full_dim=8)
     half.emb_module.row_reductions = [reduction, reduction]
     with torch.no_grad():
         for h, w in zip(
@@ -89,3 +106,64 @@ def test_row_reductions_complete_row_statistics(general: bool) -> None:
         half.emb_module.get_optimizer_state(), whole.emb_module.get_optimizer_state(), strict=True
     ):
         torch.testing.assert_close(h["momentum1"], w["momentum1"], atol=1e-6, rtol=1e-6)
+    # the touched rows 1 and 3 of "a" ("b" has no ids): one call for the run
+    assert calls == [2]
+
+
+@pytest.mark.parametrize(("pooling", "weighted"), [("mean", False), ("sum", True)])
+def test_fbgemm_row_stats_over_steps(
+    pooling: str, weighted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tables of two widths (two runs), MEAN pooling or per-id weights, a table read by two
+    # features, over several steps: FBGEMM completed equals the torch fast path within rounding.
+    monkeypatch.setenv(ENV_VAR, "fbgemm")
+    tables = (
+        table("a", 7, 4, ("fa", "fa2"), optimizer=SPEC, pooling=pooling, weighted=weighted),
+        table("b", 5, 8, optimizer=SPEC, pooling=pooling, weighted=weighted),
+    )
+    fbgemm = BatchedFusedEmbeddingBag(one_group(*tables), backend="row_stats")
+    torch_ = BatchedFusedEmbeddingBag(one_group(*tables), backend="torch")
+    assert isinstance(fbgemm.emb_module, FbgemmRowStatsTBE)
+    for kernel in (fbgemm, torch_):
+        # the other columns (on "other ranks") add 0.5 to every touched row's sum of squares
+        kernel.emb_module.row_reductions = [
+            RowReduction(lambda p: p + 0.5, full_dim=12),
+            RowReduction(lambda p: p + 0.5, full_dim=24),
+        ]
+        with torch.no_grad():
+            for i, w in enumerate(kernel.split_embedding_weights()):
+                w.copy_(torch.linspace(-1, 1, w.numel()).view(w.shape) * (i + 1))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        lengths = torch.randint(0, 4, (9,), generator=gen)  # 3 features x batch 3
+        ids = torch.cat(
+            [
+                torch.randint(0, rows, (int(n),), generator=gen)
+                for rows, n in zip((7, 7, 5), lengths.view(3, 3).sum(1), strict=True)
+            ]
+        )
+        weights = torch.rand(ids.shape, generator=gen) + 0.5
+        kjt = KeyedJaggedTensor(
+            ["fa", "fa2", "b"], ids, weights=weights if weighted else None, lengths=lengths
+        )
+        grad = torch.randn(3, 16, generator=gen)
+        for kernel in (fbgemm, torch_):
+            kernel.emb_module.prepare_backward()  # sorts in the forward's shadow; no-op if none
+            (kernel(kjt) * grad).sum().backward()
+    for a, b in zip(
+        fbgemm.split_embedding_weights(), torch_.split_embedding_weights(), strict=True
+    ):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    for a, b in zip(
+        fbgemm.emb_module.get_optimizer_state(),
+        torch_.emb_module.get_optimizer_state(),
+        strict=True,
+    ):
+        torch.testing.assert_close(a["momentum1"], b["momentum1"], atol=1e-6, rtol=1e-6)
+
+
+def test_fbgemm_row_stats_refuses_other_optimizers() -> None:
+    sgd = OptimizerSpec.from_name("sgd", lr=0.1)
+    config = one_group(table("a", 5, 4, optimizer=sgd))
+    with pytest.raises(ValueError, match="RowWiseAdagrad's statistic only, not SGD; use the torch"):
+        FbgemmRowStatsTBE(config, FusedParams(optimizer=sgd))

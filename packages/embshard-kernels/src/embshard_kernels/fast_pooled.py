@@ -267,6 +267,42 @@ class FastPooledPath:
             reductions: from :meth:`run_reductions` (``None``: nothing to complete).
             step: the 1-based step of this update.
         """
+        touched = self.touched_rows(grad_output, batches, layout, exchange)
+        mean_squares = self.mean_squares(touched, spec, reductions)
+        for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
+            run = self.runs[i]
+            weight = self.run_weights(flat, run)
+            # the run's rows of the flat state; summed is this step's own, so the update may
+            # scale it
+            at = slice(run.first_row, run.first_row + run.rows)
+            run_state = {name: value[at] for name, value in state.items()}
+            if spec.optim_type is OptimType.SGD:
+                sgd_update(spec, weight, run_state, rows, summed, step, consume_grad=True)
+            else:
+                rowwise_adagrad_update(
+                    spec,
+                    weight,
+                    run_state,
+                    rows,
+                    summed,
+                    step,
+                    mean_square=mean_square,
+                    consume_grad=True,
+                )
+
+    def touched_rows(
+        self,
+        grad_output: Tensor,
+        batches: list[RunBatch],
+        layout: CallLayout,
+        exchange: RowExchange | None = None,
+    ) -> list[tuple[int, Tensor, Tensor]]:
+        """Per run with touched rows: ``(run, rows, summed gradients)`` of this call (rows
+        sorted, int64, relative to the run; sums new tensors the caller may overwrite).
+
+        ``exchange`` (see :meth:`update`) is called for every run in order, even one without
+        ids.
+        """
         grad_output = grad_output.float()
         # One run of every feature, one batch size: the gradient [batch, features * width] is,
         # as it is, a [batch * features, width] matrix of bags in sample-major order; the
@@ -298,39 +334,23 @@ class FastPooledPath:
                 rows, summed = exchange(self.labels[i], rows, summed, run.rows)
             if rows.numel():
                 touched.append((i, rows, summed))
-        mean_squares = self._mean_squares(touched, spec, reductions)
-        for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
-            run = self.runs[i]
-            weight = self.run_weights(flat, run)
-            # the run's rows of the flat state; summed is this step's own, so the update may
-            # scale it
-            at = slice(run.first_row, run.first_row + run.rows)
-            run_state = {name: value[at] for name, value in state.items()}
-            if spec.optim_type is OptimType.SGD:
-                sgd_update(spec, weight, run_state, rows, summed, step, consume_grad=True)
-            else:
-                rowwise_adagrad_update(
-                    spec,
-                    weight,
-                    run_state,
-                    rows,
-                    summed,
-                    step,
-                    mean_square=mean_square,
-                    consume_grad=True,
-                )
+        return touched
 
-    def _mean_squares(
+    def mean_squares(
         self,
         touched: list[tuple[int, Tensor, Tensor]],
         spec: OptimizerSpec,
         reductions: Sequence[RowReduction | None] | SharedRowSums | None,
+        squares: list[Tensor] | None = None,
     ) -> list[Tensor | None]:
-        """Per touched run, the mean of g² over each full row (RowWiseAdagrad), else ``None``."""
+        """Per touched run, the mean of g² over each full row (RowWiseAdagrad), else ``None``.
+
+        ``squares``: the runs' :func:`row_square_sums`, if the caller has them (left as they are).
+        """
         if spec.optim_type is not OptimType.ROWWISE_ADAGRAD:
             return [None] * len(touched)
-        # sums of squares from the row norms: one pass, where (g * g).sum(1) allocates a copy
-        squares = [torch.linalg.vector_norm(g, dim=1).square_() for _, _, g in touched]
+        if squares is None:
+            squares = row_square_sums(touched)
         if isinstance(reductions, SharedRowSums):
             # one call for the whole group: the runs' rows in order are its tables in order
             full = reductions.row_sum(torch.cat(squares) if squares else torch.zeros(0))
@@ -344,7 +364,7 @@ class FastPooledPath:
         for (i, _rows, summed), square in zip(touched, squares, strict=True):
             reduction = reductions[i] if reductions is not None else None
             if reduction is None:
-                out.append(square.div_(summed.shape[1]))
+                out.append(square / summed.shape[1])
             else:  # a column shard: the other columns' squares live on other ranks
                 out.append(reduction.row_sum(square).div(reduction.full_dim))
         return out
@@ -439,6 +459,12 @@ class FastPooledPath:
             include_last_offset=True,
         )
         return plan.rows, summed
+
+
+def row_square_sums(touched: list[tuple[int, Tensor, Tensor]]) -> list[Tensor]:
+    """Per touched run (see :meth:`FastPooledPath.touched_rows`), each row's sum of g²."""
+    # from the row norms: one pass, where (g * g).sum(1) allocates a copy
+    return [torch.linalg.vector_norm(g, dim=1).square_() for _, _, g in touched]
 
 
 def _divisors(batch: RunBatch) -> Tensor:

@@ -148,16 +148,17 @@ class CwSharding:
         by_name = {t.name: t for t in self._tables}
 
         def backend(group: GroupedEmbeddingConfig) -> Backend:
-            # Only kernels holding a block that exchanges row sums need the torch TBE's hook;
-            # the others take the fused path of choice (same kernels, same order).
+            # Only kernels holding a block that exchanges row sums need a TBE taking
+            # row_reductions; the others take the fused path of choice (same kernels, order).
             tables = group.embedding_tables
-            return "torch" if any(self._needs_row_sums(by_name[t.name]) for t in tables) else "auto"
+            needs = any(self._needs_row_sums(by_name[t.name]) for t in tables)
+            return "row_stats" if needs else "auto"
 
         lookup = GroupedBagLookup(
             configs, self._options, backend=backend, kernel_key=self._kernel_key
         )
         row_sums = RowSumsByRanks(self._groups)
-        for group, tbe in lookup.torch_tbes():
+        for group, tbe in lookup.row_stats_tbes():
             tbe.row_reductions = [
                 row_sums.reduction(self._ranks[t.name], by_name[t.name].config.embedding_dim)
                 if self._needs_row_sums(by_name[t.name])
