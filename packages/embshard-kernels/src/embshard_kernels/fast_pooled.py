@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from embshard_kernels.fbgemm_mapping import device_type
+from embshard_kernels.fbgemm_rows import FbgemmRowUpdate
 from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, arrange_pooled, split_pooled
 from embshard_kernels.row_sums import group_rows
@@ -159,6 +160,8 @@ class FastPooledPath:
         """Per run, its tables' names joined by ``+`` (what a row exchange is told)."""
         total = sum(r for r, _ in shapes)
         self._index_dtype = torch.int32 if total < 2**31 else torch.int64
+        self.row_update: FbgemmRowUpdate | None = None
+        """Writes the update where set (FBGEMM's row loop), else embshard-optim's rules do."""
         # The plans of the latest forwards whose backward has not run (two: a semi-synchronous
         # pipeline looks up the next batch before this batch's backward).
         self._prepared: deque[tuple[list[RunBatch], list[RowPlan | None]]] = deque(
@@ -268,6 +271,16 @@ class FastPooledPath:
             step: the 1-based step of this update.
         """
         touched = self.touched_rows(grad_output, batches, layout, exchange)
+        no_reductions = reductions is None or (
+            not isinstance(reductions, SharedRowSums) and all(r is None for r in reductions)
+        )
+        if self.row_update is not None and no_reductions:
+            for i, rows, summed in touched:
+                run = self.runs[i]
+                at = slice(run.first_row, run.first_row + run.rows)
+                momentum = state["momentum1"][at] if "momentum1" in state else None
+                self.row_update.apply(spec, self.run_weights(flat, run), momentum, rows, summed)
+            return
         mean_squares = self.mean_squares(touched, spec, reductions)
         for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
             run = self.runs[i]

@@ -18,7 +18,7 @@ from embshard_kernels._fbgemm import (
     EmbeddingLocation,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
-from embshard_kernels.fast_pooled import fast_path_refusal
+from embshard_kernels.fast_pooled import FAST_OPTIMIZERS, fast_path_refusal
 from embshard_kernels.fbgemm_mapping import (
     bounds_check_to_fbgemm,
     cache_algorithm_to_fbgemm,
@@ -279,4 +279,17 @@ def build_fused_tbe(
         return FbgemmFusedTBE(config, params.optimizer, params, device)
     if path is FusedPath.FBGEMM_ROW_STATS:
         return FbgemmRowStatsTBE(config, params, device)
-    return TorchFusedTBE(config, params, device, fast=path is FusedPath.TORCH_FAST)
+    fast = path is FusedPath.TORCH_FAST
+    # a torch TBE forced for its hooks: FBGEMM writes the summed rows where its kernels are
+    # the faster ones here
+    rows = fast and backend != "auto" and _fbgemm_is_faster(params.optimizer, device)
+    return TorchFusedTBE(config, params, device, fast=fast, fbgemm_rows=rows)
+
+
+def _fbgemm_is_faster(spec: OptimizerSpec, device: torch.device | str | None) -> bool:
+    """Whether FBGEMM's fused kernels serve ``spec`` on ``device`` faster than the fast path
+    (the override, else the probe)."""
+    if fbgemm_refusal(spec, device) is not None or spec.optim_type not in FAST_OPTIMIZERS:
+        return False
+    chosen = fused_path_override() or measured_fused_path(spec.optim_type).chosen
+    return chosen is FusedPath.FBGEMM

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from embshard_kernels import hugepages
 from embshard_kernels.fast_pooled import FastPooledPath, RunBatch, fast_path_refusal
 from embshard_kernels.fbgemm_mapping import data_type_to_dtype
+from embshard_kernels.fbgemm_rows import FbgemmRowUpdate, row_update_refusal
 from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.grouping import GroupedEmbeddingConfig
 from embshard_kernels.lookup import CallLayout, pooled_lookup, sequence_lookup, split_pooled
@@ -44,6 +45,8 @@ class TorchFusedTBE(nn.Module):
         params: the optimizer (any ``OptimType``) and the output dtype.
         device: where the weights and state live.
         fast: use the fast pooled path (``None``: wherever it fits).
+        fbgemm_rows: on the fast path, let FBGEMM's CPU kernels write the update of the summed
+            rows where they can (:mod:`embshard_kernels.fbgemm_rows`).
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class TorchFusedTBE(nn.Module):
         device: torch.device | str | None = None,
         *,
         fast: bool | None = None,
+        fbgemm_rows: bool = False,
     ) -> None:
         super().__init__()
         refusal = fast_path_refusal(config, params.optimizer, device)
@@ -75,6 +79,12 @@ class TorchFusedTBE(nn.Module):
         self.rule = rule_for(params.optimizer)
         fast = refusal is None if fast is None else fast
         self.fast = FastPooledPath(config, self._starts) if fast else None
+        if (
+            self.fast is not None
+            and fbgemm_rows
+            and row_update_refusal(params.optimizer, self.weights) is None
+        ):
+            self.fast.row_update = FbgemmRowUpdate(params.optimizer)
         if self.fast is not None:  # row-wise state only: one flat buffer, viewed per table
             total = sum(rows for rows, _ in shapes)
             self._row_state = self.rule.init_state(total, 1, dtype=torch.float32, device=device)
