@@ -350,8 +350,8 @@ def run_cases_on_path(path: str, cases: list[Case]) -> list[int]:
 
 @pytest.mark.parametrize("path", ["fbgemm", "torch"])
 def test_column_blocks_on_either_fused_path(path: str) -> None:
-    # RowWiseAdagrad over column blocks: FBGEMM's update with the row statistic completed
-    # (FbgemmRowStatsTBE) or the torch TBE's; the test above takes the path the probe picks.
+    # RowWiseAdagrad over column blocks: the rows written by FBGEMM's row loop with the
+    # momentum completed first, or by the torch rules; the test above takes the probe's path.
     results = run_on_ranks(2, run_cases_on_path, path, COLUMN_CASES, timeout_s=240)
     for case_results in zip(*results, strict=True):
         assert sum(case_results) > 0

@@ -10,8 +10,7 @@ both libraries implement, timing each forward phase to its end (the awaitables w
 then the loss and the backward, under ``torch.profiler``, whose autograd nodes are split into
 
 * ``backward_comms``: the nodes of collectives (the output dist's reverse exchange);
-* ``fused_update``: the lookups' backward, in which the optimizer runs (a column shard's row
-  statistics completed before FBGEMM's update count here; a data-parallel table's
+* ``fused_update``: the lookups' backward, in which the optimizer runs (a data-parallel table's
   exchange of touched rows happens inside it);
 * ``rest``: the loss, the other nodes, what autograd itself spends, and any optimizer step
   outside the backward (TorchRec's data-parallel tables).
@@ -41,7 +40,7 @@ _COMMS = re.compile(
     r"^_start|^_finish|_req|_wait|collective",
     re.IGNORECASE,
 )
-_UPDATE = re.compile(r"lookup|split_embedding|embeddingbag|fused|tbe|rowstats", re.IGNORECASE)
+_UPDATE = re.compile(r"lookup|split_embedding|embeddingbag|fused|tbe", re.IGNORECASE)
 
 
 def sharded_collection(model: nn.Module) -> Any:

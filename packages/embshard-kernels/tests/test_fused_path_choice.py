@@ -214,22 +214,12 @@ def test_correctness_rules_win_over_probe_and_override(
         monkeypatch.setenv(ENV_VAR, override)
     # hooks (grad_exchange, row_reductions) need the torch TBE: callers force it
     assert choose_fused_path(_config(), ROWWISE, None, "torch") is FusedPath.TORCH_FAST
-    # column shards' row statistics: FBGEMM completed where it is the faster path
-    row_stats = choose_fused_path(_config(), ROWWISE, None, "row_stats")
-    faster = {None: winner, "fbgemm": FusedPath.FBGEMM, "torch": FusedPath.TORCH_FAST}[override]
-    expected = FusedPath.FBGEMM_ROW_STATS if faster is FusedPath.FBGEMM else FusedPath.TORCH_FAST
-    assert row_stats is expected
     assert choose_fused_path(_config(), ROWWISE, None, "fbgemm") is FusedPath.FBGEMM
     # FBGEMM's CPU TBE cannot run these faithfully: the torch general path
     adam = OptimizerSpec.from_name("adam", lr=0.1)
     assert choose_fused_path(_config(adam), adam, None) is FusedPath.TORCH
     decayed = replace(ROWWISE, weight_decay=0.1)
     assert choose_fused_path(_config(decayed), decayed, None) is FusedPath.TORCH
-    # FBGEMM completes RowWiseAdagrad's statistic only, without decay, on the fast path's groups
-    sgd = OptimizerSpec.from_name("sgd", lr=0.1)
-    assert choose_fused_path(_config(sgd), sgd, None, "row_stats") is not FusedPath.FBGEMM_ROW_STATS
-    for spec in (adam, decayed):
-        assert choose_fused_path(_config(spec), spec, None, "row_stats") is FusedPath.TORCH
     # the fast path cannot serve these: FBGEMM, or the general torch path where forced
     half = _config(data_type="fp16")
     sequence = one_group(table("s", 4, 8, pooling="none", optimizer=ROWWISE))

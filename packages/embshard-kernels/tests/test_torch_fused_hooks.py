@@ -4,7 +4,7 @@
 general path, a run of same-width tables on the fast path), even a block the batch did not
 touch, and what it returns is what the optimizer applies; ``row_reductions`` hands each table's
 rule a RowReduction (full-row statistics of a column shard). Both hold on both paths, and
-``row_reductions`` on FBGEMM's TBE completed by ``FbgemmRowStatsTBE`` too.
+also where FBGEMM's row loop writes the update (the momentum completed to the full row's first).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import torch
 from kernel_testing import one_group, table
 from torch import Tensor
 
-from embshard_kernels.fbgemm_row_stats import FbgemmRowStatsTBE
 from embshard_kernels.fused import BatchedFusedEmbeddingBag
-from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.path_probe import ENV_VAR
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_optim.specs import OptimizerSpec
@@ -25,14 +23,14 @@ from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 SPEC = OptimizerSpec.from_name("rowwise_adagrad", lr=0.2)
 
 
-def _kernel(dim: int = 4, general: bool = False, fbgemm: bool = False) -> BatchedFusedEmbeddingBag:
+def _kernel(
+    dim: int = 4, general: bool = False, fbgemm: bool | None = None
+) -> BatchedFusedEmbeddingBag:
     config = one_group(table("a", 5, dim, optimizer=SPEC), table("b", 3, dim, optimizer=SPEC))
-    if fbgemm:  # FBGEMM's TBE, its row statistics completed (EMBSHARD_FUSED_PATH=fbgemm)
-        kernel = BatchedFusedEmbeddingBag(config, backend="row_stats")
-        assert isinstance(kernel.emb_module, FbgemmRowStatsTBE)
-    else:
-        kernel = BatchedFusedEmbeddingBag(config, backend="torch")
-        assert kernel.emb_module.fast is not None
+    kernel = BatchedFusedEmbeddingBag(config, backend="torch")
+    assert kernel.emb_module.fast is not None
+    if fbgemm is not None:  # FBGEMM writes the rows where it is faster (EMBSHARD_FUSED_PATH)
+        assert (kernel.emb_module.fast.row_update is not None) is fbgemm
     if general:  # the general path: per-table blocks
         kernel.emb_module.fast = None
     with torch.no_grad():
@@ -77,7 +75,7 @@ def test_grad_exchange_sees_every_block_and_its_result_is_applied(general: bool)
 def test_row_reductions_complete_row_statistics(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A width-4 shard whose missing columns are a copy of its own (same weights, same
     # gradients) must update like either half of the whole width-8 table.
-    monkeypatch.setenv(ENV_VAR, "fbgemm")
+    monkeypatch.setenv(ENV_VAR, "fbgemm" if path == "fbgemm" else "torch")
     half = _kernel(4, general=path == "general", fbgemm=path == "fbgemm")
     monkeypatch.setenv(ENV_VAR, "torch")
     whole = _kernel(8)
@@ -111,19 +109,22 @@ def test_row_reductions_complete_row_statistics(path: str, monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize(("pooling", "weighted"), [("mean", False), ("sum", True)])
-def test_fbgemm_row_stats_over_steps(
+def test_fbgemm_rows_complete_row_statistics_over_steps(
     pooling: str, weighted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Tables of two widths (two runs), MEAN pooling or per-id weights, a table read by two
-    # features, over several steps: FBGEMM completed equals the torch fast path within rounding.
-    monkeypatch.setenv(ENV_VAR, "fbgemm")
+    # features, over several steps: FBGEMM's row loop with the momentum completed equals the
+    # torch rules within rounding.
     tables = (
         table("a", 7, 4, ("fa", "fa2"), optimizer=SPEC, pooling=pooling, weighted=weighted),
         table("b", 5, 8, optimizer=SPEC, pooling=pooling, weighted=weighted),
     )
-    fbgemm = BatchedFusedEmbeddingBag(one_group(*tables), backend="row_stats")
+    monkeypatch.setenv(ENV_VAR, "fbgemm")
+    fbgemm = BatchedFusedEmbeddingBag(one_group(*tables), backend="torch")
+    monkeypatch.setenv(ENV_VAR, "torch")
     torch_ = BatchedFusedEmbeddingBag(one_group(*tables), backend="torch")
-    assert isinstance(fbgemm.emb_module, FbgemmRowStatsTBE)
+    assert fbgemm.emb_module.fast.row_update is not None
+    assert torch_.emb_module.fast.row_update is None
     for kernel in (fbgemm, torch_):
         # the other columns (on "other ranks") add 0.5 to every touched row's sum of squares
         kernel.emb_module.row_reductions = [
@@ -160,10 +161,3 @@ def test_fbgemm_row_stats_over_steps(
         strict=True,
     ):
         torch.testing.assert_close(a["momentum1"], b["momentum1"], atol=1e-6, rtol=1e-6)
-
-
-def test_fbgemm_row_stats_refuses_other_optimizers() -> None:
-    sgd = OptimizerSpec.from_name("sgd", lr=0.1)
-    config = one_group(table("a", 5, 4, optimizer=sgd))
-    with pytest.raises(ValueError, match="RowWiseAdagrad's statistic only, not SGD; use the torch"):
-        FbgemmRowStatsTBE(config, FusedParams(optimizer=sgd))

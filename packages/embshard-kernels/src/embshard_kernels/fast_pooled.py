@@ -271,15 +271,8 @@ class FastPooledPath:
             step: the 1-based step of this update.
         """
         touched = self.touched_rows(grad_output, batches, layout, exchange)
-        no_reductions = reductions is None or (
-            not isinstance(reductions, SharedRowSums) and all(r is None for r in reductions)
-        )
-        if self.row_update is not None and no_reductions:
-            for i, rows, summed in touched:
-                run = self.runs[i]
-                at = slice(run.first_row, run.first_row + run.rows)
-                momentum = state["momentum1"][at] if "momentum1" in state else None
-                self.row_update.apply(spec, self.run_weights(flat, run), momentum, rows, summed)
+        if self.row_update is not None:
+            self._write_rows(self.row_update, flat, state, touched, spec, reductions)
             return
         mean_squares = self.mean_squares(touched, spec, reductions)
         for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
@@ -302,6 +295,34 @@ class FastPooledPath:
                     mean_square=mean_square,
                     consume_grad=True,
                 )
+
+    def _write_rows(
+        self,
+        row_update: FbgemmRowUpdate,
+        flat: Tensor,
+        state: dict[str, Tensor],
+        touched: list[tuple[int, Tensor, Tensor]],
+        spec: OptimizerSpec,
+        reductions: Sequence[RowReduction | None] | SharedRowSums | None,
+    ) -> None:
+        """:meth:`update` by FBGEMM's row loop. Where a run's rows are column shards, FBGEMM's
+        RowWiseAdagrad would add the mean of g² over the shard's own columns: the momentum gets
+        ``full mean - own mean`` first, so it ends as the unsharded table's (within rounding)."""
+        completes = spec.optim_type is OptimType.ROWWISE_ADAGRAD and (
+            isinstance(reductions, SharedRowSums)
+            or (reductions is not None and any(r is not None for r in reductions))
+        )
+        squares = row_square_sums(touched) if completes else []
+        full = self.mean_squares(touched, spec, reductions, squares) if completes else []
+        for k, (i, rows, summed) in enumerate(touched):
+            run = self.runs[i]
+            at = slice(run.first_row, run.first_row + run.rows)
+            momentum = state["momentum1"][at] if "momentum1" in state else None
+            if completes and momentum is not None:
+                mean = full[k]
+                assert mean is not None
+                momentum.index_add_(0, rows, mean - squares[k].div_(summed.shape[1]))
+            row_update.apply(spec, self.run_weights(flat, run), momentum, rows, summed)
 
     def touched_rows(
         self,

@@ -32,7 +32,7 @@ from embshard_kernels.fused_params import FusedParams
 from embshard_kernels.grouping import GroupedEmbeddingConfig, ShardedTableConfig
 from embshard_kernels.inputs import TBEInput, check_features, to_tbe_input
 from embshard_kernels.slices import table_slices
-from embshard_kernels.tbe import Backend, FbgemmFusedTBE, FusedTBE, build_fused_tbe
+from embshard_kernels.tbe import Backend, FbgemmFusedTBE, build_fused_tbe
 from embshard_optim.embedding_fused import EmbeddingFusedOptimizer, TableShardInfo
 from embshard_optim.sharded_state import StateFormat
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
@@ -123,12 +123,11 @@ class _FusedKernel(BaseBatchedEmbedding):
         params = config.fused_params or FusedParams()
         tbe = build_fused_tbe(config, params, self.device, backend=backend)
         self._set_emb_module(tbe)
-        fbgemm = _fbgemm_of(tbe)
         self._traced_inference = (
-            fbgemm is not None
+            isinstance(tbe, FbgemmFusedTBE)
             and not self._SEQUENCE
-            and fbgemm.module.weights_host.numel() > 0
-            and fbgemm.module.weights_host.dtype == torch.float32
+            and tbe.module.weights_host.numel() > 0
+            and tbe.module.weights_host.dtype == torch.float32
         )
         if self._traced_inference:
             register_dense_lookup_fake()
@@ -208,9 +207,9 @@ class _FusedKernel(BaseBatchedEmbedding):
             traced_bounds_check(
                 self._rows_per_feature, args.indices, args.offsets, args.per_sample_weights
             )
-        fbgemm = _fbgemm_of(self._emb_module)
-        assert fbgemm is not None
-        m = fbgemm.module
+        tbe = self._emb_module
+        assert isinstance(tbe, FbgemmFusedTBE)
+        m = tbe.module
         out: Tensor = torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
             m.weights_host,
             m.weights_offsets,
@@ -227,14 +226,6 @@ class _FusedKernel(BaseBatchedEmbedding):
             m.output_dtype,
         )
         return out
-
-
-def _fbgemm_of(tbe: FusedTBE) -> FbgemmFusedTBE | None:
-    """The FBGEMM TBE that runs ``tbe``'s lookup, if one does."""
-    if isinstance(tbe, FbgemmFusedTBE):
-        return tbe
-    inner = getattr(tbe, "fbgemm", None)
-    return inner if isinstance(inner, FbgemmFusedTBE) else None
 
 
 class BatchedFusedEmbeddingBag(_FusedKernel):

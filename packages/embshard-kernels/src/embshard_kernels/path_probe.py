@@ -43,9 +43,6 @@ class FusedPath(Enum):
 
     FBGEMM = "fbgemm"
     """FBGEMM's TBE."""
-    FBGEMM_ROW_STATS = "fbgemm_row_stats"
-    """FBGEMM's TBE whose RowWiseAdagrad statistic covers a column shard's full row
-    (``embshard_kernels.fbgemm_row_stats``)."""
     TORCH_FAST = "torch_fast"
     """``TorchFusedTBE`` on its fast pooled path (``embshard_kernels.fast_pooled``)."""
     TORCH = "torch"

@@ -39,9 +39,7 @@ from embshard_kernels.path_probe import (
 )
 from embshard_optim.specs import OptimizerSpec, OptimType
 
-Backend = Literal["auto", "fbgemm", "torch", "row_stats"]
-"""``"auto"``: the faster faithful path; ``"fbgemm"`` / ``"torch"``: forced; ``"row_stats"``: the
-update takes ``row_reductions`` (column shards' row-wise statistics) on the faster path that can."""
+Backend = Literal["auto", "fbgemm", "torch"]
 
 __all__ = [
     "Backend",
@@ -201,8 +199,7 @@ def choose_fused_path(
     """The path that runs ``spec`` for ``config`` on ``device``.
 
     Correctness first: a forced ``backend`` is obeyed (callers force ``"torch"`` for the hooks
-    only ``TorchFusedTBE`` has; ``"row_stats"`` for column shards' ``row_reductions``, which
-    ``FbgemmRowStatsTBE`` takes for RowWiseAdagrad where FBGEMM is the faster path), and ``"auto"`` never picks FBGEMM where it cannot run ``spec``
+    only ``TorchFusedTBE`` has), and ``"auto"`` never picks FBGEMM where it cannot run ``spec``
     faithfully. Only where both FBGEMM and the fast pooled path serve the group is speed the
     rule: ``EMBSHARD_FUSED_PATH`` (``fbgemm`` / ``torch``) decides if set, else the faster on
     this machine (:func:`~embshard_kernels.path_probe.probe_fused_path`, once per process).
@@ -223,12 +220,6 @@ def choose_fused_path(
         return FusedPath.FBGEMM
     if backend == "torch":  # forced: the fast path wherever it fits
         return torch_path
-    if backend == "row_stats":  # FBGEMM completes RowWiseAdagrad's statistic only
-        takes = fbgemm_cannot is None and fast_fits and spec.optim_type is OptimType.ROWWISE_ADAGRAD
-        if not takes:
-            return torch_path
-        chosen = fused_path_override() or measured_fused_path(spec.optim_type).chosen
-        return FusedPath.FBGEMM_ROW_STATS if chosen is FusedPath.FBGEMM else torch_path
     if fbgemm_cannot is not None:  # FBGEMM cannot run the optimizer faithfully here
         return torch_path
     if not fast_fits:  # FBGEMM serves it; the general torch path would only be slower
@@ -266,22 +257,19 @@ def build_fused_tbe(
     """The fused TBE of :func:`choose_fused_path` for ``config``.
 
     Args:
-        backend: ``"auto"``, force ``"fbgemm"`` / ``"torch"``, or ``"row_stats"``.
+        backend: ``"auto"``, or force ``"fbgemm"`` / ``"torch"``.
 
     Raises:
         ValueError: ``backend="fbgemm"`` with an optimizer FBGEMM cannot run on ``device``.
     """
-    from embshard_kernels.fbgemm_row_stats import FbgemmRowStatsTBE
     from embshard_kernels.torch_fused import TorchFusedTBE
 
     path = choose_fused_path(config, params.optimizer, device, backend)
     if path is FusedPath.FBGEMM:
         return FbgemmFusedTBE(config, params.optimizer, params, device)
-    if path is FusedPath.FBGEMM_ROW_STATS:
-        return FbgemmRowStatsTBE(config, params, device)
     fast = path is FusedPath.TORCH_FAST
-    # a torch TBE forced for its hooks: FBGEMM writes the summed rows where its kernels are
-    # the faster ones here
+    # a torch TBE forced for its hooks (data-parallel rows, column shards' row statistics):
+    # FBGEMM's row loop writes the summed rows where its kernels are the faster ones here
     rows = fast and backend != "auto" and _fbgemm_is_faster(params.optimizer, device)
     return TorchFusedTBE(config, params, device, fast=fast, fbgemm_rows=rows)
 

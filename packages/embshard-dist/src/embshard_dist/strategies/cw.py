@@ -148,17 +148,16 @@ class CwSharding:
         by_name = {t.name: t for t in self._tables}
 
         def backend(group: GroupedEmbeddingConfig) -> Backend:
-            # Only kernels holding a block that exchanges row sums need a TBE taking
-            # row_reductions; the others take the fused path of choice (same kernels, order).
+            # Only kernels holding a block that exchanges row sums need the torch TBE's hook;
+            # the others take the fused path of choice (same kernels, same order).
             tables = group.embedding_tables
-            needs = any(self._needs_row_sums(by_name[t.name]) for t in tables)
-            return "row_stats" if needs else "auto"
+            return "torch" if any(self._needs_row_sums(by_name[t.name]) for t in tables) else "auto"
 
         lookup = GroupedBagLookup(
             configs, self._options, backend=backend, kernel_key=self._kernel_key
         )
         row_sums = RowSumsByRanks(self._groups)
-        for group, tbe in lookup.row_stats_tbes():
+        for group, tbe in lookup.torch_tbes():
             tbe.row_reductions = [
                 row_sums.reduction(self._ranks[t.name], by_name[t.name].config.embedding_dim)
                 if self._needs_row_sums(by_name[t.name])

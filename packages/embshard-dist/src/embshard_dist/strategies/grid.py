@@ -115,9 +115,9 @@ class GridSharding:
             # no row sums to exchange (e.g. one column block per table on one node): the
             # fused path of choice, as table-row-wise runs
             return self._core.create_lookup()
-        lookup = self._core.create_lookup(backend="row_stats")
+        lookup = self._core.create_lookup(backend="torch")
         row_sums = RowSumsByRanks(self._row_groups, prefix="grid_")
-        for group, tbe in lookup.row_stats_tbes():
+        for group, tbe in lookup.torch_tbes():
             tbe.row_reductions = [
                 row_sums.reduction(self._row_sum_ranks(t), t.embedding_dim)
                 if t.name in self._needs

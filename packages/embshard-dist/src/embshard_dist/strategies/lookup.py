@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from embshard_dist.strategies.options import ShardingOptions
 from embshard_kernels.base import BaseBatchedEmbedding
 from embshard_kernels.dense import BatchedDenseEmbedding, BatchedDenseEmbeddingBag
-from embshard_kernels.fbgemm_row_stats import FbgemmRowStatsTBE
 from embshard_kernels.fused import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
 from embshard_kernels.grouping import GroupedEmbeddingConfig, ShardedTableConfig, group_tables
 from embshard_kernels.lookup import arrange_pooled, split_pooled
@@ -208,18 +207,6 @@ class GroupedBagLookup(nn.Module):
         for kernel, group in zip(self.kernels, self._groups, strict=True):
             tbe = getattr(kernel, "emb_module", None)
             if isinstance(tbe, TorchFusedTBE):
-                out.append((group, tbe))
-        return out
-
-    def row_stats_tbes(
-        self,
-    ) -> list[tuple[GroupedEmbeddingConfig, TorchFusedTBE | FbgemmRowStatsTBE]]:
-        """Each kernel's group and TBE that takes ``row_reductions`` (built with backend
-        ``"row_stats"`` or ``"torch"``), which a column-sharding strategy sets."""
-        out = []
-        for kernel, group in zip(self.kernels, self._groups, strict=True):
-            tbe = getattr(kernel, "emb_module", None)
-            if isinstance(tbe, TorchFusedTBE | FbgemmRowStatsTBE):
                 out.append((group, tbe))
         return out
 
