@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
+import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +153,7 @@ def run_rank(rank: int, world: int, port: int, job: Job) -> None:
     _quiet()
     join_group(rank, world, port, job.threads, job.local_size)
     result: dict[str, object] = {"rank": rank}
+    code = 0
     try:
         workload = get(job.workload, job.seed)
         batches = workload.batches(rank, world, job.num_batches)
@@ -190,6 +194,15 @@ def run_rank(rank: int, world: int, port: int, job: Job) -> None:
             result.update(_profile(sides, batches, job.profile_steps))
         result["post_training_max_abs_diff"] = _compare(sides, batches[0]) if len(sides) > 1 else {}
         result["peak_rss_mb"] = _peak_rss_mb()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     finally:
         Path(job.out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
+        # Skip interpreter teardown, as `embshard train`'s ranks do: ranks have aborted in it
+        # ("terminate called without an active exception", no Python frame left) after their
+        # results were written, and the row was lost (see benchmarks/README.md, session 14).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

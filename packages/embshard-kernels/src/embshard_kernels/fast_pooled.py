@@ -5,7 +5,8 @@ For SUM / MEAN pooled float32 tables on the CPU, tables of one width next to eac
 (:func:`embshard_kernels.row_sums.group_rows`), sums each touched row's gradient with a second
 ``embedding_bag`` over the bags' gradients (each distinct row a "bag" of the bags that read it,
 adding them in id order), and applies embshard-optim's update function (SGD or RowWiseAdagrad)
-to those rows. Untouched rows and state are never written.
+to those rows, or has FBGEMM's row loop write them (``row_update``,
+:mod:`embshard_kernels.fbgemm_rows`). Untouched rows and state are never written.
 """
 
 from __future__ import annotations
@@ -270,11 +271,11 @@ class FastPooledPath:
             reductions: from :meth:`run_reductions` (``None``: nothing to complete).
             step: the 1-based step of this update.
         """
-        touched = self.touched_rows(grad_output, batches, layout, exchange)
+        touched = self._touched_rows(grad_output, batches, layout, exchange)
         if self.row_update is not None:
             self._write_rows(self.row_update, flat, state, touched, spec, reductions)
             return
-        mean_squares = self.mean_squares(touched, spec, reductions)
+        mean_squares = self._mean_squares(touched, spec, reductions)
         for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
             run = self.runs[i]
             weight = self.run_weights(flat, run)
@@ -312,8 +313,8 @@ class FastPooledPath:
             isinstance(reductions, SharedRowSums)
             or (reductions is not None and any(r is not None for r in reductions))
         )
-        squares = row_square_sums(touched) if completes else []
-        full = self.mean_squares(touched, spec, reductions, squares) if completes else []
+        squares = _row_square_sums(touched) if completes else []
+        full = self._mean_squares(touched, spec, reductions, squares) if completes else []
         for k, (i, rows, summed) in enumerate(touched):
             run = self.runs[i]
             at = slice(run.first_row, run.first_row + run.rows)
@@ -324,7 +325,7 @@ class FastPooledPath:
                 momentum.index_add_(0, rows, mean - squares[k].div_(summed.shape[1]))
             row_update.apply(spec, self.run_weights(flat, run), momentum, rows, summed)
 
-    def touched_rows(
+    def _touched_rows(
         self,
         grad_output: Tensor,
         batches: list[RunBatch],
@@ -370,7 +371,7 @@ class FastPooledPath:
                 touched.append((i, rows, summed))
         return touched
 
-    def mean_squares(
+    def _mean_squares(
         self,
         touched: list[tuple[int, Tensor, Tensor]],
         spec: OptimizerSpec,
@@ -379,12 +380,12 @@ class FastPooledPath:
     ) -> list[Tensor | None]:
         """Per touched run, the mean of g² over each full row (RowWiseAdagrad), else ``None``.
 
-        ``squares``: the runs' :func:`row_square_sums`, if the caller has them (left as they are).
+        ``squares``: the runs' :func:`_row_square_sums`, if the caller has them (left as they are).
         """
         if spec.optim_type is not OptimType.ROWWISE_ADAGRAD:
             return [None] * len(touched)
         if squares is None:
-            squares = row_square_sums(touched)
+            squares = _row_square_sums(touched)
         if isinstance(reductions, SharedRowSums):
             # one call for the whole group: the runs' rows in order are its tables in order
             full = reductions.row_sum(torch.cat(squares) if squares else torch.zeros(0))
@@ -495,8 +496,8 @@ class FastPooledPath:
         return plan.rows, summed
 
 
-def row_square_sums(touched: list[tuple[int, Tensor, Tensor]]) -> list[Tensor]:
-    """Per touched run (see :meth:`FastPooledPath.touched_rows`), each row's sum of g²."""
+def _row_square_sums(touched: list[tuple[int, Tensor, Tensor]]) -> list[Tensor]:
+    """Per touched run (see :meth:`FastPooledPath._touched_rows`), each row's sum of g²."""
     # from the row norms: one pass, where (g * g).sum(1) allocates a copy
     return [torch.linalg.vector_norm(g, dim=1).square_() for _, _, g in touched]
 
