@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -127,3 +128,14 @@ def bit_identical(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
         x.shape == y.shape and x.dtype == y.dtype and torch.equal(raw(x), raw(y))
         for x, y in zip(a, b, strict=True)
     )
+
+
+def assert_same_rows(a: Any, b: Any, tol: float = 1e-6) -> None:
+    """Two fused kernels hold the same weights and row-wise momentum, within ``tol``."""
+    for wa, wb in zip(a.split_embedding_weights(), b.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(wa, wb, atol=tol, rtol=tol)
+    states = zip(
+        a.emb_module.get_optimizer_state(), b.emb_module.get_optimizer_state(), strict=True
+    )
+    for sa, sb in states:
+        torch.testing.assert_close(sa["momentum1"], sb["momentum1"], atol=tol, rtol=tol)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import one_group, table
+from kernel_testing import assert_same_rows, one_group, table
 from torch import Tensor
 
 from embshard_kernels.fused import BatchedFusedEmbeddingBag
@@ -151,13 +151,4 @@ def test_fbgemm_rows_complete_row_statistics_over_steps(
         for kernel in (fbgemm, torch_):
             kernel.emb_module.prepare_backward()  # sorts in the forward's shadow; no-op if none
             (kernel(kjt) * grad).sum().backward()
-    for a, b in zip(
-        fbgemm.split_embedding_weights(), torch_.split_embedding_weights(), strict=True
-    ):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    for a, b in zip(
-        fbgemm.emb_module.get_optimizer_state(),
-        torch_.emb_module.get_optimizer_state(),
-        strict=True,
-    ):
-        torch.testing.assert_close(a["momentum1"], b["momentum1"], atol=1e-6, rtol=1e-6)
+    assert_same_rows(fbgemm, torch_)
