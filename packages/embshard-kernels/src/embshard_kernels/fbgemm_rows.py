@@ -21,13 +21,13 @@ from embshard_optim.specs import OptimizerSpec, OptimType
 ROW_UPDATE_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
 
 
-def row_update_refusal(spec: OptimizerSpec, weight: Tensor) -> str | None:
-    """Why :class:`FbgemmRowUpdate` cannot apply ``spec`` to ``weight``, or ``None``."""
+def row_update_refusal(spec: OptimizerSpec, weight: Tensor | None = None) -> str | None:
+    """Why :class:`FbgemmRowUpdate` cannot apply ``spec`` (to ``weight``, if given), or ``None``."""
     if spec.optim_type not in ROW_UPDATE_OPTIMIZERS:
         return f"FBGEMM's row update has no {spec.optim_type.name}"
     if spec.weight_decay > 0.0 or spec.max_norm > 0.0:
         return "FBGEMM's row update applies no weight decay and no max-norm"
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight is not None and (weight.device.type != "cpu" or weight.dtype != torch.float32):
         return "FBGEMM's row update runs on float32 CPU weights"
     return None
 
@@ -36,8 +36,9 @@ class FbgemmRowUpdate:
     """Applies one optimizer to touched rows of ``[rows, width]`` blocks of a flat buffer."""
 
     def __init__(self, spec: OptimizerSpec) -> None:
-        if spec.optim_type not in ROW_UPDATE_OPTIMIZERS:
-            raise ValueError(f"FBGEMM's row update has no {spec.optim_type.name}")
+        refusal = row_update_refusal(spec)
+        if refusal is not None:
+            raise ValueError(refusal)
         self._sgd = spec.optim_type is OptimType.SGD
         self._placements = torch.tensor([EmbeddingLocation.HOST.value], dtype=torch.int32)
         self._zero = torch.zeros(1, dtype=torch.int64)

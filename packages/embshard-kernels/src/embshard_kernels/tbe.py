@@ -18,7 +18,7 @@ from embshard_kernels._fbgemm import (
     EmbeddingLocation,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
-from embshard_kernels.fast_pooled import FAST_OPTIMIZERS, fast_path_refusal
+from embshard_kernels.fast_pooled import fast_path_refusal
 from embshard_kernels.fbgemm_mapping import (
     bounds_check_to_fbgemm,
     cache_algorithm_to_fbgemm,
@@ -270,14 +270,9 @@ def build_fused_tbe(
     fast = path is FusedPath.TORCH_FAST
     # a torch TBE forced for its hooks (data-parallel rows, column shards' row statistics):
     # FBGEMM's row loop writes the summed rows where its kernels are the faster ones here
-    rows = fast and backend != "auto" and _fbgemm_is_faster(params.optimizer, device)
+    rows = (
+        fast
+        and backend != "auto"
+        and choose_fused_path(config, params.optimizer, device) is FusedPath.FBGEMM
+    )
     return TorchFusedTBE(config, params, device, fast=fast, fbgemm_rows=rows)
-
-
-def _fbgemm_is_faster(spec: OptimizerSpec, device: torch.device | str | None) -> bool:
-    """Whether FBGEMM's fused kernels serve ``spec`` on ``device`` faster than the fast path
-    (the override, else the probe)."""
-    if fbgemm_refusal(spec, device) is not None or spec.optim_type not in FAST_OPTIMIZERS:
-        return False
-    chosen = fused_path_override() or measured_fused_path(spec.optim_type).chosen
-    return chosen is FusedPath.FBGEMM
