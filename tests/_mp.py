@@ -121,7 +121,8 @@ class Exited:
     exitcode: int
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group a test starts itself)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -187,7 +188,7 @@ class RankPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._next_id = 0
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(
                 target=_worker,

@@ -16,7 +16,7 @@ trains on its own batch (uneven sizes). What is checked, step by step:
   replicas differ.
 
 Also: the group helpers of :mod:`embshard_dist.strategies.nodes` inside a 2-D layout (sub-groups
-created once per mirror sharding group).
+created once per mirror sharding group), and their cache across a new default process group.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_on_ranks, test_device
+from _mp import free_port, run_on_ranks, run_ranks, test_device
 from test_node_aware_sharding import (
     OPTIMIZERS,
     TABLES,
@@ -203,6 +203,35 @@ def run_subgroups() -> list[int]:
     dist.all_reduce(value, group=env.replica_pg)
     sizes.append(int(value.item()))
     return sizes
+
+
+def run_subgroup_after_new_world(port: int) -> list[float]:
+    """A process that tears its default group down and starts a new one gets new sub-groups
+    from :func:`subgroup`, not the destroyed ones it cached before."""
+    rank = dist.get_rank()
+    sums = []
+    for round_ in range(2):
+        if round_:
+            dist.destroy_process_group()
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3
+            )
+        pair = subgroup(None, [1, 2])
+        if rank > 0:
+            assert dist.get_process_group_ranks(pair) == [1, 2]
+            value = torch.tensor([float(rank + round_)])
+            dist.all_reduce(value, group=pair)
+            sums.append(value.item())
+        value = torch.tensor([1.0])
+        dist.all_reduce(value)
+        sums.append(value.item())
+    return sums
+
+
+@pytest.mark.cpu_only("the ranks start a gloo group of their own")
+def test_subgroups_follow_a_new_default_group() -> None:
+    results = run_ranks(3, run_subgroup_after_new_world, free_port())
+    assert results == [[3.0, 3.0]] + [[3.0, 3.0, 5.0, 3.0]] * 2
 
 
 def run_all(cases: list[Case]) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -130,8 +130,26 @@ def _members(pg: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-_MIRRORS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-_SUBGROUPS: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+@dataclass
+class _GroupCache:
+    """Groups made by :func:`subgroup` and the mirrors found by :func:`_mirrors`, valid while
+    ``world`` is the default process group (a new ``init_process_group`` starts afresh)."""
+
+    world: Any = None
+    mirrors: dict[tuple[int, ...], list[tuple[int, ...]]] = field(default_factory=dict)
+    subgroups: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = field(default_factory=dict)
+
+
+_CACHE = _GroupCache()
+
+
+def _cache() -> _GroupCache:
+    """The caches of the current default process group (emptied when it changed)."""
+    global _CACHE
+    world = dist.group.WORLD
+    if _CACHE.world is not world:
+        _CACHE = _GroupCache(world)
+    return _CACHE
 
 
 def _mirrors(pg: Any) -> list[tuple[int, ...]]:
@@ -140,7 +158,8 @@ def _mirrors(pg: Any) -> list[tuple[int, ...]]:
     world = dist.get_world_size()
     if len(members) == world:
         return [members]
-    if members not in _MIRRORS:
+    cached = _cache().mirrors
+    if members not in cached:
         sizes = [row[0] for row in all_gather_ints([len(members)], name="node_groups.sizes")]
         if len(set(sizes)) > 1:
             raise ValueError(
@@ -156,12 +175,13 @@ def _mirrors(pg: Any) -> list[tuple[int, ...]]:
                 f"the sharding groups {groups} do not partition the job's {world} ranks; give "
                 "every process one sharding group of the same size"
             )
-        _MIRRORS[members] = groups
-    return _MIRRORS[members]
+        cached[members] = groups
+    return cached[members]
 
 
 def subgroup(pg: Any, ranks: Sequence[int]) -> Any:
-    """The process group of ``ranks`` (ranks of ``pg``), created by every process and cached.
+    """The process group of ``ranks`` (ranks of ``pg``), created by every process and cached
+    for as long as the default process group lives.
 
     Raises:
         ValueError: ``ranks`` repeat a rank or fall outside ``pg``.
@@ -176,14 +196,15 @@ def subgroup(pg: Any, ranks: Sequence[int]) -> Any:
     if sorted(wanted) == list(range(len(members))):
         return pg if pg is not None else dist.group.WORLD
     key = (members, tuple(sorted(wanted)))
-    if key not in _SUBGROUPS:
+    cached = _cache().subgroups
+    if key not in cached:
         mine: Any = None
         for mirror in _mirrors(pg):
             group = dist.new_group(ranks=sorted(mirror[r] for r in wanted))
             if mirror == members:
                 mine = group
-        _SUBGROUPS[key] = mine
-    return _SUBGROUPS[key]
+        cached[key] = mine
+    return cached[key]
 
 
 def node_groups(pg: Any, topology: NodeTopology) -> NodeGroups:
