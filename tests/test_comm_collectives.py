@@ -35,6 +35,15 @@ def _check_sparse(mine: list[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
     rows, grads = sparse_all_gather(*mine)
     assert torch.equal(rows.cpu(), torch.cat([r for r, _ in everyone]))
     assert torch.equal(grads.cpu(), torch.cat([g for _, g in everyone]))
+    # zero-padded: each rank's block as it travelled, padded to the largest with row 0 and zeros
+    rows, grads = sparse_all_gather(*mine, zero_padding=True)
+    most = max(r.numel() for r, _ in everyone)
+    for k, (r, g) in enumerate(everyone):
+        block = slice(k * most, (k + 1) * most)
+        pad = most - r.numel()
+        assert torch.equal(rows[block].cpu(), torch.cat([r, torch.zeros(pad, dtype=r.dtype)]))
+        assert torch.equal(grads[block].cpu(), torch.cat([g, torch.zeros(pad, 3)]))
+    assert rows.numel() == grads.shape[0] == most * len(everyone)
 
     unique, summed = sparse_all_reduce(*mine)
     all_rows = torch.cat([r for r, _ in everyone]).tolist()

@@ -245,6 +245,14 @@ def touched_rows_exchange() -> Iterator[None]:
         dp_module.DENSE_EXCHANGE_BYTES = saved
 
 
+def assert_replicas_identical(weights: dict[str, Any], what: str) -> None:
+    """Every rank holds bit for bit the same data-parallel tables."""
+    for key, value in weights.items():
+        copies = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, value.contiguous())
+        assert all(torch.equal(c, copies[0]) for c in copies), f"{what} {key}: replicas differ"
+
+
 def run_case(case: Case) -> int:
     """Train sharded and unsharded side by side; return the number of local shards compared."""
     if case.plan == "dp_sparse":
@@ -295,6 +303,8 @@ def run_case(case: Case) -> int:
     compared = 0
     exact = same_kernels and exact_training(case)
     weights = sharded.state_dict()
+    if case.plan == "dp":
+        assert_replicas_identical(weights, str(case))
     ref_weights = reference.state_dict()
     assert sorted(weights) == sorted(ref_weights)
     for key, value in weights.items():
@@ -330,9 +340,14 @@ ALL_CASES = [
 ]
 
 
-COLUMN_CASES = [Case("cw", "rowwise_adagrad", weighted) for weighted in (False, True)] + [
-    Case("mixed", "rowwise_adagrad", True)
+ROW_LOOP_CASES = [
+    *(Case("cw", "rowwise_adagrad", weighted) for weighted in (False, True)),
+    Case("mixed", "rowwise_adagrad", True),
+    *(Case("dp_sparse", "rowwise_adagrad", weighted) for weighted in (False, True)),
+    Case("dp_sparse", "sgd", True),
 ]
+"""Cases whose rows FBGEMM's row loop writes on the ``fbgemm`` path: column blocks (momentum
+completed first) and data-parallel tables (every rank's rows handed over unsummed)."""
 
 
 def run_cases_on_path(path: str, cases: list[Case]) -> list[int]:
@@ -349,10 +364,10 @@ def run_cases_on_path(path: str, cases: list[Case]) -> list[int]:
 
 
 @pytest.mark.parametrize("path", ["fbgemm", "torch"])
-def test_column_blocks_on_either_fused_path(path: str) -> None:
-    # RowWiseAdagrad over column blocks: the rows written by FBGEMM's row loop with the
-    # momentum completed first, or by the torch rules; the test above takes the probe's path.
-    results = run_on_ranks(2, run_cases_on_path, path, COLUMN_CASES, timeout_s=240)
+def test_row_loop_cases_on_either_fused_path(path: str) -> None:
+    # Column blocks and data-parallel tables: the rows written by FBGEMM's row loop, or by the
+    # torch rules; the test below takes the probe's path.
+    results = run_on_ranks(2, run_cases_on_path, path, ROW_LOOP_CASES, timeout_s=240)
     for case_results in zip(*results, strict=True):
         assert sum(case_results) > 0
 

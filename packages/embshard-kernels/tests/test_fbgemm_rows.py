@@ -45,6 +45,34 @@ def test_rows_update_as_the_rules_do(name: str) -> None:
     torch.testing.assert_close(weight, expected_weight, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_repeated_rows_are_summed_in_the_order_given(name: str) -> None:
+    # Blocks of rows (two ranks' sorted rows, the shorter one padded with zero gradients on row
+    # 0) update bit for bit as their per-row sums, added block by block from zero, do; an
+    # untouched row that only got padding stays as it was.
+    spec = SPECS[name]
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 8, generator=gen)
+    momentum = torch.rand(40, generator=gen)
+    summed_weight, summed_momentum = weight.clone(), momentum.clone()
+    update = FbgemmRowUpdate(spec)
+    for _ in range(3):
+        blocks = [torch.randperm(39, generator=gen)[:n].add(1).sort().values for n in (11, 7)]
+        grads = [torch.randn(b.numel(), 8, generator=gen) for b in blocks]
+        rows = torch.cat([blocks[0], blocks[1], torch.zeros(4, dtype=torch.int64)])
+        entries = torch.cat([grads[0], grads[1], torch.zeros(4, 8)])
+        update.apply(spec, weight, momentum, rows, entries)
+        distinct = torch.cat(blocks).unique()
+        sums = torch.zeros(distinct.numel(), 8)
+        for block, grad in zip(blocks, grads, strict=True):
+            at = torch.searchsorted(distinct, block)
+            sums[at] = sums[at] + grad  # one block at a time: rank order
+        update.apply(spec, summed_weight, summed_momentum, distinct, sums)
+        assert torch.equal(weight, summed_weight)
+        assert torch.equal(momentum, summed_momentum)
+    assert torch.equal(weight[0], summed_weight[0])
+
+
 def test_what_it_refuses() -> None:
     weight = torch.zeros(4, 4)
     adam = OptimizerSpec.from_name("adam", lr=0.1)

@@ -2,7 +2,8 @@
 
 ``grad_exchange`` sees every block's summed row gradients in every backward (a table on the
 general path, a run of same-width tables on the fast path), even a block the batch did not
-touch, and what it returns is what the optimizer applies; ``row_reductions`` hands each table's
+touch, and what it returns is what the optimizer applies (rows that repeat, where FBGEMM's row
+loop writes the rows and the hook is told so); ``row_reductions`` hands each table's
 rule a RowReduction (full-row statistics of a column shard). Both hold on both paths, and
 also where FBGEMM's row loop writes the update (the momentum completed to the full row's first).
 """
@@ -45,29 +46,38 @@ def _step(kernel: BatchedFusedEmbeddingBag, scale: float = 1.0) -> None:
     (out * scale * torch.arange(out.numel()).view(out.shape)).sum().backward()
 
 
-@pytest.mark.parametrize("general", [False, True], ids=["fast", "general"])
-def test_grad_exchange_sees_every_block_and_its_result_is_applied(general: bool) -> None:
-    doubled = _kernel(general=general)
-    calls: list[tuple[str, list[int], int]] = []
+@pytest.mark.parametrize("path", ["fast", "general", "fbgemm"])
+def test_grad_exchange_sees_every_block_and_its_result_is_applied(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hook doubles every gradient: by scaling the sums, or (FBGEMM's row loop, which sums
+    # repeated rows itself) by handing every row back twice.
+    monkeypatch.setenv(ENV_VAR, "fbgemm" if path == "fbgemm" else "torch")
+    doubled = _kernel(general=path == "general", fbgemm=path == "fbgemm")
+    calls: list[tuple[str, list[int], int, bool]] = []
 
-    def exchange(label: str, rows: Tensor, grads: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
-        calls.append((label, rows.tolist(), num_rows))
+    def exchange(
+        label: str, rows: Tensor, grads: Tensor, num_rows: int, *, repeats: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        calls.append((label, rows.tolist(), num_rows, repeats))
+        if repeats:
+            return torch.cat([rows, rows]), torch.cat([grads, grads])
         return rows, grads * 2
 
     doubled.emb_module.grad_exchange = exchange
     _step(doubled)
-    if general:
+    if path == "general":
         # table "b" had no ids, and was still offered
-        assert calls == [("a", [1, 3], 5), ("b", [], 3)]
-    else:
-        assert calls == [("a+b", [1, 3], 8)]  # one run: rows of "a" then "b" (5 + id)
+        assert calls == [("a", [1, 3], 5, False), ("b", [], 3, False)]
+    else:  # one run: rows of "a" then "b" (5 + id); repeats only where FBGEMM writes them
+        assert calls == [("a+b", [1, 3], 8, path == "fbgemm")]
+    monkeypatch.setenv(ENV_VAR, "torch")
     reference = _kernel()
     _step(reference, scale=2.0)
     for a, b in zip(
         doubled.split_embedding_weights(), reference.split_embedding_weights(), strict=True
     ):
-        # The hooked kernel takes the general path, the reference the fast pooled one: the same
-        # update, summed in a possibly different order.
+        # The same update, summed in a possibly different order (and rounded as FBGEMM does).
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 

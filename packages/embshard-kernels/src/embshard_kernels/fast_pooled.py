@@ -6,7 +6,8 @@ For SUM / MEAN pooled float32 tables on the CPU, tables of one width next to eac
 ``embedding_bag`` over the bags' gradients (each distinct row a "bag" of the bags that read it,
 adding them in id order), and applies embshard-optim's update function (SGD or RowWiseAdagrad)
 to those rows, or has FBGEMM's row loop write them (``row_update``,
-:mod:`embshard_kernels.fbgemm_rows`). Untouched rows and state are never written.
+:mod:`embshard_kernels.fbgemm_rows`; a :class:`RowExchange` hook may then hand back rows that
+repeat, which the loop sums in order). Untouched rows and state keep their values.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,20 @@ from embshard_optim.sparse_rules.sgd import sgd_update
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.vocab import DataType, PoolingType
 
-RowExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
-"""``(label, rows, summed grads, run rows) -> (rows, grads)`` to apply (see ``update``)."""
+
+class RowExchange(Protocol):
+    """A hook on a block's touched rows: ``(label, rows, summed grads, block rows) -> (rows,
+    grads)`` to apply instead (see :meth:`FastPooledPath.update`).
+
+    With ``repeats=True`` the caller sums the gradients of a row that repeats, in the order
+    given (a zero gradient adds nothing), so the hook may hand back rows unsummed; without it,
+    the rows it returns are distinct.
+    """
+
+    def __call__(
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int, *, repeats: bool = False
+    ) -> tuple[Tensor, Tensor]: ...
+
 
 FAST_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
 """Optimizers the fast path applies (RowWiseAdagrad without weight decay or max-norm)."""
@@ -267,14 +280,18 @@ class FastPooledPath:
             batches: the forward's :meth:`batches`.
             exchange: called for every run in order, even one without ids, with its label,
                 touched rows (sorted, int64), summed gradients and row count; returns what to
-                apply.
+                apply. It is told ``repeats=True`` where FBGEMM's row loop writes the rows and
+                no row statistic is completed: that loop sums a repeated row's gradients in
+                the order given.
             reductions: from :meth:`run_reductions` (``None``: nothing to complete).
             step: the 1-based step of this update.
         """
-        touched = self._touched_rows(grad_output, batches, layout, exchange)
         if self.row_update is not None:
-            self._write_rows(self.row_update, flat, state, touched, spec, reductions)
+            completes = _completes_statistics(spec, reductions)
+            touched = self._touched_rows(grad_output, batches, layout, exchange, not completes)
+            self._write_rows(self.row_update, flat, state, touched, spec, reductions, completes)
             return
+        touched = self._touched_rows(grad_output, batches, layout, exchange)
         mean_squares = self._mean_squares(touched, spec, reductions)
         for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
             run = self.runs[i]
@@ -305,14 +322,12 @@ class FastPooledPath:
         touched: list[tuple[int, Tensor, Tensor]],
         spec: OptimizerSpec,
         reductions: Sequence[RowReduction | None] | SharedRowSums | None,
+        completes: bool,
     ) -> None:
-        """:meth:`update` by FBGEMM's row loop. Where a run's rows are column shards, FBGEMM's
-        RowWiseAdagrad would add the mean of g² over the shard's own columns: the momentum gets
-        ``full mean - own mean`` first, so it ends as the unsharded table's (within rounding)."""
-        completes = spec.optim_type is OptimType.ROWWISE_ADAGRAD and (
-            isinstance(reductions, SharedRowSums)
-            or (reductions is not None and any(r is not None for r in reductions))
-        )
+        """:meth:`update` by FBGEMM's row loop. Where a run's rows are column shards
+        (``completes``: see :func:`_completes_statistics`), FBGEMM's RowWiseAdagrad would add
+        the mean of g² over the shard's own columns: the momentum gets ``full mean - own mean``
+        first, so it ends as the unsharded table's (within rounding)."""
         squares = _row_square_sums(touched) if completes else []
         full = self._mean_squares(touched, spec, reductions, squares) if completes else []
         for k, (i, rows, summed) in enumerate(touched):
@@ -331,12 +346,14 @@ class FastPooledPath:
         batches: list[RunBatch],
         layout: CallLayout,
         exchange: RowExchange | None = None,
+        repeats: bool = False,
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per run with touched rows: ``(run, rows, summed gradients)`` of this call (rows
-        sorted, int64, relative to the run; sums new tensors the caller may overwrite).
+        int64, relative to the run, sorted and distinct unless the exchange returned repeats;
+        sums new tensors the caller may overwrite).
 
         ``exchange`` (see :meth:`update`) is called for every run in order, even one without
-        ids.
+        ids; with ``repeats`` (the caller sums repeated rows) what it returns may repeat rows.
         """
         grad_output = grad_output.float()
         # One run of every feature, one batch size: the gradient [batch, features * width] is,
@@ -366,7 +383,7 @@ class FastPooledPath:
             plan = plans[i] if plans is not None else None
             rows, summed = self._row_sums(bag_grads, batch, features, plan)
             if exchange is not None:
-                rows, summed = exchange(self.labels[i], rows, summed, run.rows)
+                rows, summed = exchange(self.labels[i], rows, summed, run.rows, repeats=repeats)
             if rows.numel():
                 touched.append((i, rows, summed))
         return touched
@@ -494,6 +511,17 @@ class FastPooledPath:
             include_last_offset=True,
         )
         return plan.rows, summed
+
+
+def _completes_statistics(
+    spec: OptimizerSpec, reductions: Sequence[RowReduction | None] | SharedRowSums | None
+) -> bool:
+    """Whether RowWiseAdagrad's row statistic is completed over column blocks (``reductions``
+    from :meth:`FastPooledPath.run_reductions`)."""
+    return spec.optim_type is OptimType.ROWWISE_ADAGRAD and (
+        isinstance(reductions, SharedRowSums)
+        or (reductions is not None and any(r is not None for r in reductions))
+    )
 
 
 def _row_square_sums(touched: list[tuple[int, Tensor, Tensor]]) -> list[Tensor]:

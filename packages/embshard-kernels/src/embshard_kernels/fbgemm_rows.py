@@ -58,8 +58,9 @@ class FbgemmRowUpdate:
         Args:
             weight: a contiguous ``[num_rows, width]`` float32 block.
             momentum: ``[num_rows]`` row-wise state (RowWiseAdagrad), else ``None``.
-            rows: distinct int64 rows, sorted.
-            grads: ``[len(rows), width]`` float32, one summed gradient per row.
+            rows: int64 rows. A row may repeat: FBGEMM sorts the rows stably and sums a
+                row's gradients in the order given (from zero) before its one update.
+            grads: ``[len(rows), width]`` float32, one gradient per entry of ``rows``.
         """
         num_rows, width = weight.shape
         count = rows.numel()

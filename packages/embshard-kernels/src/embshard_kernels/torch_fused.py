@@ -8,7 +8,6 @@ gradients. Hooks ``grad_exchange`` and ``row_reductions`` let a sharded collecti
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from embshard_kernels import hugepages
-from embshard_kernels.fast_pooled import FastPooledPath, RunBatch, fast_path_refusal
+from embshard_kernels.fast_pooled import FastPooledPath, RowExchange, RunBatch, fast_path_refusal
 from embshard_kernels.fbgemm_mapping import data_type_to_dtype
 from embshard_kernels.fbgemm_rows import FbgemmRowUpdate, row_update_refusal
 from embshard_kernels.fused_params import FusedParams
@@ -26,8 +25,8 @@ from embshard_optim.sparse_rules import aggregate, rule_for
 from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.vocab import PoolingType
 
-GradExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
-"""``(block label, rows, summed grads, block rows) -> (rows, grads)`` to apply."""
+GradExchange = RowExchange
+"""``(block label, rows, summed grads, block rows, *, repeats) -> (rows, grads)`` to apply."""
 
 
 class TorchFusedTBE(nn.Module):
@@ -36,7 +35,8 @@ class TorchFusedTBE(nn.Module):
     ``grad_exchange`` (``None``: off) is called for every block of rows in every backward, even
     one with no touched row, in the same order on every rank: a table (label: its name) on the
     general path, a run (names joined by ``+``) on the fast path; it gets the touched rows
-    (sorted, int64, relative to the block) and their summed gradients, and returns what to apply.
+    (sorted, int64, relative to the block) and their summed gradients, and returns what to apply
+    (rows that may repeat where it is called with ``repeats=True``: see ``RowExchange``).
     ``row_reductions[table]`` completes row-wise statistics of a column shard. A backward that
     needs per-sample-weight gradients, or reductions a run cannot take, uses the general path.
 

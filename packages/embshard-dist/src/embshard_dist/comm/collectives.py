@@ -168,7 +168,27 @@ def _gather_padded(
     workspace: Workspace | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(rows, sources, gathered)``: all ranks' row ids in rank order and, per id, its row of
-    the gathered gradients (``[world * largest count, dim]``, each rank's block padded).
+    the gathered gradients (``[world * largest count, dim]``, each rank's block padded)."""
+    out_rows, out_grads, counts = _gather_blocks(rows, grads, group, timeout, name, workspace)
+    most = max(counts)
+    if all(c == most for c in counts):
+        return out_rows, torch.arange(out_rows.numel(), device=rows.device), out_grads
+    sources = torch.cat(
+        [torch.arange(r * most, r * most + c, device=rows.device) for r, c in enumerate(counts)]
+    )
+    return out_rows.index_select(0, sources), sources, out_grads
+
+
+def _gather_blocks(
+    rows: Tensor,
+    grads: Tensor,
+    group: dist.ProcessGroup | None,
+    timeout: Timeout,
+    name: str,
+    workspace: Workspace | None = None,
+) -> tuple[Tensor, Tensor, list[int]]:
+    """``(rows, gathered, counts)``: every rank's block of ids and gradient rows in rank order,
+    each padded to the largest block with row 0 and zero gradients, and the blocks' true sizes.
 
     Two rounds: the counts, then the ids and the gradient rows (issued at once), each rank's
     block written straight into its slot of the output.
@@ -207,12 +227,7 @@ def _gather_padded(
     ]
     for work in pending:
         work.wait()
-    if all(c == most for c in counts):
-        return out_rows, torch.arange(out_rows.numel(), device=rows.device), out_grads
-    sources = torch.cat(
-        [torch.arange(r * most, r * most + c, device=rows.device) for r, c in enumerate(counts)]
-    )
-    return out_rows.index_select(0, sources), sources, out_grads
+    return out_rows, out_grads, counts
 
 
 def sparse_all_gather(
@@ -222,14 +237,25 @@ def sparse_all_gather(
     group: dist.ProcessGroup | None = None,
     timeout: Timeout = None,
     name: str = "sparse_all_gather",
+    workspace: Workspace | None = None,
+    zero_padding: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Every rank's ``rows`` (1-D int64 ids) and ``grads`` (``[len(rows), dim]``, ``dim`` and
     dtype equal on every rank), concatenated in rank order.
 
+    Args:
+        workspace: reused buffer for the gathered gradients (valid until its next use).
+        zero_padding: each rank's block comes padded to the largest block with entries of row
+            0 and a zero gradient, as it travelled (no compacting copy): for a consumer that
+            sums each row's entries, to which a zero adds nothing.
+
     Raises:
         ValueError: shapes do not fit, or ranks disagree on ``dim`` or the dtype.
     """
-    all_rows, sources, gathered = _gather_padded(rows, grads, group, timeout, name)
+    if zero_padding:
+        padded_rows, gathered, _ = _gather_blocks(rows, grads, group, timeout, name, workspace)
+        return padded_rows, gathered
+    all_rows, sources, gathered = _gather_padded(rows, grads, group, timeout, name, workspace)
     return all_rows, gathered.index_select(0, sources)
 
 

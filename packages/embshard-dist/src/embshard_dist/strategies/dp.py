@@ -12,7 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from embshard_dist.comm.collectives import dense_row_all_reduce, sparse_all_reduce
+from embshard_dist.comm.collectives import (
+    dense_row_all_reduce,
+    sparse_all_gather,
+    sparse_all_reduce,
+)
 from embshard_dist.strategies.base import (
     BagTable,
     FeatureSelector,
@@ -66,7 +70,11 @@ DENSE_EXCHANGE_BYTES = 4 << 20
 class _RowExchange:
     """A torch TBE's ``grad_exchange`` hook: sums the touched rows' gradients over the ranks.
 
-    Every rank picks dense or sparse exchange alike, from the block's shape alone.
+    Every rank picks dense or sparse exchange alike, from the block's shape alone. Where the
+    kernel sums repeated rows itself (``repeats``: FBGEMM's row loop, which adds a row's
+    entries in the order given), the sparse exchange hands it every rank's rows in rank order
+    unsummed (their blocks zero-padded as they travelled): the same sums, without a second
+    sort and sum here.
     """
 
     def __init__(self, pg: dist.ProcessGroup | None) -> None:
@@ -75,7 +83,7 @@ class _RowExchange:
         self._workspaces: dict[str, Workspace] = {}
 
     def __call__(
-        self, label: str, rows: Tensor, grads: Tensor, num_rows: int
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int, *, repeats: bool = False
     ) -> tuple[Tensor, Tensor]:
         workspace = self._workspaces.get(label)
         if workspace is None:
@@ -85,6 +93,10 @@ class _RowExchange:
         if grads.dtype == torch.float32 and dense_bytes <= DENSE_EXCHANGE_BYTES:
             return dense_row_all_reduce(
                 rows, grads, num_rows, group=self._pg, name=name, workspace=workspace
+            )
+        if repeats:
+            return sparse_all_gather(
+                rows, grads, group=self._pg, name=name, workspace=workspace, zero_padding=True
             )
         return sparse_all_reduce(rows, grads, group=self._pg, name=name, workspace=workspace)
 
