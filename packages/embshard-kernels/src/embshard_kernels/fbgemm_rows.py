@@ -1,11 +1,12 @@
 """Touched rows updated by FBGEMM's CPU backward kernels, each row a bag of one id.
 
-The torch fast path sums each touched row's gradient itself (a data-parallel table sums them over
-the ranks too); :class:`FbgemmRowUpdate` then hands the sorted distinct rows and their sums to
-FBGEMM's fused CPU backward (SGD or RowWiseAdagrad, no decay) as bags of one id, so FBGEMM's
-jitted row loop writes the weights and the row-wise state in place instead of torch's indexed
-ops. A bag of one id sums nothing: the update is the rule of
-:mod:`embshard_optim.sparse_rules` on the given sums, rounded as FBGEMM rounds.
+The torch fast path sums each touched row's gradient itself; :class:`FbgemmRowUpdate` then hands
+the rows and their sums to FBGEMM's fused CPU backward (SGD or RowWiseAdagrad, no decay) as bags
+of one id, so FBGEMM's jitted row loop writes the weights and the row-wise state in place
+instead of torch's indexed ops. A bag of one id sums nothing, and a row given several times (a
+data-parallel table's rows from every rank) has its entries summed in the order given, as
+FBGEMM sorts stably: the update is the rule of :mod:`embshard_optim.sparse_rules` on those sums,
+rounded as FBGEMM rounds.
 """
 
 from __future__ import annotations
