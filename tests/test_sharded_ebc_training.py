@@ -10,7 +10,9 @@ features, MEAN and SUM pooling, uneven local batch sizes (an empty one too), ext
 features, a key order that differs from the collection's, and per-id weights an unweighted
 collection must ignore. Where the sharded module runs the reference's very arithmetic the
 results must be bit-identical (see ``exact_forward`` / ``exact_training``), elsewhere within
-1e-6. One process launch per world size checks every case.
+1e-6; data-parallel tables are bit-identical on every rank. Column-wise and data-parallel
+cases run again on each fused path (FBGEMM's row loop or the torch rules). One process launch
+per world size checks every case.
 
 Under ``EMBSHARD_TEST_BACKEND=nccl`` the sharded collection runs on each rank's GPU and the
 reference stays on the CPU: CUDA and CPU kernels do not share arithmetic, so there every case
