@@ -2,8 +2,8 @@
 
 ``grad_exchange`` sees every block's summed row gradients in every backward (a table on the
 general path, a run of same-width tables on the fast path), even a block the batch did not
-touch, and what it returns is what the optimizer applies (rows that repeat, where FBGEMM's row
-loop writes the rows and the hook is told so); ``row_reductions`` hands each table's
+touch, and what it returns is what the optimizer applies (a hook's ``unsummed`` method, where
+FBGEMM's row loop writes the rows, may return rows that repeat); ``row_reductions`` hands each table's
 rule a RowReduction (full-row statistics of a column shard). Both hold on both paths, and
 also where FBGEMM's row loop writes the update (the momentum completed to the full row's first).
 """
@@ -46,31 +46,47 @@ def _step(kernel: BatchedFusedEmbeddingBag, scale: float = 1.0) -> None:
     (out * scale * torch.arange(out.numel()).view(out.shape)).sum().backward()
 
 
-@pytest.mark.parametrize("path", ["fast", "general", "fbgemm"])
-def test_grad_exchange_sees_every_block_and_its_result_is_applied(
-    path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The hook doubles every gradient: by scaling the sums, or (FBGEMM's row loop, which sums
-    # repeated rows itself) by handing every row back twice.
-    monkeypatch.setenv(ENV_VAR, "fbgemm" if path == "fbgemm" else "torch")
-    doubled = _kernel(general=path == "general", fbgemm=path == "fbgemm")
-    calls: list[tuple[str, list[int], int, bool]] = []
+class _Doubler:
+    """Doubles every gradient: scales the sums, or (``unsummed``) hands every row back twice."""
 
-    def exchange(
-        label: str, rows: Tensor, grads: Tensor, num_rows: int, *, repeats: bool = False
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int], int, str]] = []
+
+    def __call__(
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int
     ) -> tuple[Tensor, Tensor]:
-        calls.append((label, rows.tolist(), num_rows, repeats))
-        if repeats:
-            return torch.cat([rows, rows]), torch.cat([grads, grads])
+        self.calls.append((label, rows.tolist(), num_rows, "summed"))
         return rows, grads * 2
 
-    doubled.emb_module.grad_exchange = exchange
+    def unsummed(
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int
+    ) -> tuple[Tensor, Tensor]:
+        self.calls.append((label, rows.tolist(), num_rows, "unsummed"))
+        return torch.cat([rows, rows]), torch.cat([grads, grads])
+
+
+@pytest.mark.parametrize("hook", ["object", "function"])
+@pytest.mark.parametrize("path", ["fast", "general", "fbgemm"])
+def test_grad_exchange_sees_every_block_and_its_result_is_applied(
+    path: str, hook: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A hook with an ``unsummed`` method gets it called where FBGEMM's row loop sums repeated
+    # rows itself; a plain function is called as it is everywhere.
+    monkeypatch.setenv(ENV_VAR, "fbgemm" if path == "fbgemm" else "torch")
+    doubled = _kernel(general=path == "general", fbgemm=path == "fbgemm")
+    doubler = _Doubler()
+
+    def plain(label: str, rows: Tensor, grads: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+        return doubler(label, rows, grads, num_rows)
+
+    doubled.emb_module.grad_exchange = doubler if hook == "object" else plain
     _step(doubled)
     if path == "general":
         # table "b" had no ids, and was still offered
-        assert calls == [("a", [1, 3], 5, False), ("b", [], 3, False)]
-    else:  # one run: rows of "a" then "b" (5 + id); repeats only where FBGEMM writes them
-        assert calls == [("a+b", [1, 3], 8, path == "fbgemm")]
+        assert doubler.calls == [("a", [1, 3], 5, "summed"), ("b", [], 3, "summed")]
+    else:  # one run: rows of "a" then "b" (5 + id)
+        how = "unsummed" if path == "fbgemm" and hook == "object" else "summed"
+        assert doubler.calls == [("a+b", [1, 3], 8, how)]
     monkeypatch.setenv(ENV_VAR, "torch")
     reference = _kernel()
     _step(reference, scale=2.0)

@@ -6,8 +6,8 @@ For SUM / MEAN pooled float32 tables on the CPU, tables of one width next to eac
 ``embedding_bag`` over the bags' gradients (each distinct row a "bag" of the bags that read it,
 adding them in id order), and applies embshard-optim's update function (SGD or RowWiseAdagrad)
 to those rows, or has FBGEMM's row loop write them (``row_update``,
-:mod:`embshard_kernels.fbgemm_rows`; a :class:`RowExchange` hook may then hand back rows that
-repeat, which the loop sums in order). Untouched rows and state keep their values.
+:mod:`embshard_kernels.fbgemm_rows`; a ``RowExchange`` hook's ``unsummed`` method may then hand
+back rows that repeat, which the loop sums in order). Untouched rows and state keep their values.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,19 +33,12 @@ from embshard_optim.sparse_rules.sgd import sgd_update
 from embshard_optim.specs import OptimizerSpec, OptimType
 from embshard_types.vocab import DataType, PoolingType
 
-
-class RowExchange(Protocol):
-    """A hook on a block's touched rows: ``(label, rows, summed grads, block rows) -> (rows,
-    grads)`` to apply instead (see :meth:`FastPooledPath.update`).
-
-    With ``repeats=True`` the caller sums the gradients of a row that repeats, in the order
-    given (a zero gradient adds nothing), so the hook may hand back rows unsummed; without it,
-    the rows it returns are distinct.
-    """
-
-    def __call__(
-        self, label: str, rows: Tensor, grads: Tensor, num_rows: int, *, repeats: bool = False
-    ) -> tuple[Tensor, Tensor]: ...
+RowExchange = Callable[[str, Tensor, Tensor, int], tuple[Tensor, Tensor]]
+"""``(label, rows, summed grads, run rows) -> (rows, grads)`` to apply, rows distinct (see
+``update``). A hook may also have a method ``unsummed`` of the same signature whose rows may
+repeat: the caller sums a repeated row's gradients in the order given (a zero adds nothing).
+The fast path calls it instead where FBGEMM's row loop writes the rows and no row statistic is
+completed."""
 
 
 FAST_OPTIMIZERS = (OptimType.SGD, OptimType.ROWWISE_ADAGRAD)
@@ -280,9 +273,9 @@ class FastPooledPath:
             batches: the forward's :meth:`batches`.
             exchange: called for every run in order, even one without ids, with its label,
                 touched rows (sorted, int64), summed gradients and row count; returns what to
-                apply. It is told ``repeats=True`` where FBGEMM's row loop writes the rows and
-                no row statistic is completed: that loop sums a repeated row's gradients in
-                the order given.
+                apply; its ``unsummed`` method, if it has one, where FBGEMM's row loop writes
+                the rows and no row statistic is completed (that loop sums a repeated row's
+                gradients in the order given).
             reductions: from :meth:`run_reductions` (``None``: nothing to complete).
             step: the 1-based step of this update.
         """
@@ -353,9 +346,12 @@ class FastPooledPath:
         sums new tensors the caller may overwrite).
 
         ``exchange`` (see :meth:`update`) is called for every run in order, even one without
-        ids; with ``repeats`` (the caller sums repeated rows) what it returns may repeat rows.
+        ids; with ``repeats`` (the caller sums repeated rows) its ``unsummed`` method instead,
+        if it has one, whose rows may repeat.
         """
         grad_output = grad_output.float()
+        if exchange is not None and repeats:
+            exchange = getattr(exchange, "unsummed", exchange)
         # One run of every feature, one batch size: the gradient [batch, features * width] is,
         # as it is, a [batch * features, width] matrix of bags in sample-major order; the
         # sparse product reads it there instead of from a feature-major copy.
@@ -383,7 +379,7 @@ class FastPooledPath:
             plan = plans[i] if plans is not None else None
             rows, summed = self._row_sums(bag_grads, batch, features, plan)
             if exchange is not None:
-                rows, summed = exchange(self.labels[i], rows, summed, run.rows, repeats=repeats)
+                rows, summed = exchange(self.labels[i], rows, summed, run.rows)
             if rows.numel():
                 touched.append((i, rows, summed))
         return touched

@@ -26,7 +26,8 @@ from embshard_optim.sparse_rules.base import RowReduction
 from embshard_types.vocab import PoolingType
 
 GradExchange = RowExchange
-"""``(block label, rows, summed grads, block rows, *, repeats) -> (rows, grads)`` to apply."""
+"""``(block label, rows, summed grads, block rows) -> (rows, grads)`` to apply (and an optional
+``unsummed`` method: see ``RowExchange``)."""
 
 
 class TorchFusedTBE(nn.Module):
@@ -36,7 +37,7 @@ class TorchFusedTBE(nn.Module):
     one with no touched row, in the same order on every rank: a table (label: its name) on the
     general path, a run (names joined by ``+``) on the fast path; it gets the touched rows
     (sorted, int64, relative to the block) and their summed gradients, and returns what to apply
-    (rows that may repeat where it is called with ``repeats=True``: see ``RowExchange``).
+    (a hook's ``unsummed`` method may return rows that repeat: see ``RowExchange``).
     ``row_reductions[table]`` completes row-wise statistics of a column shard. A backward that
     needs per-sample-weight gradients, or reductions a run cannot take, uses the general path.
 

@@ -71,7 +71,7 @@ class _RowExchange:
     """A torch TBE's ``grad_exchange`` hook: sums the touched rows' gradients over the ranks.
 
     Every rank picks dense or sparse exchange alike, from the block's shape alone. Where the
-    kernel sums repeated rows itself (``repeats``: FBGEMM's row loop, which adds a row's
+    kernel sums repeated rows itself (:meth:`unsummed`: FBGEMM's row loop, which adds a row's
     entries in the order given), the sparse exchange hands it every rank's rows in rank order
     unsummed (their blocks zero-padded as they travelled): the same sums, without a second
     sort and sum here.
@@ -83,7 +83,20 @@ class _RowExchange:
         self._workspaces: dict[str, Workspace] = {}
 
     def __call__(
-        self, label: str, rows: Tensor, grads: Tensor, num_rows: int, *, repeats: bool = False
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int
+    ) -> tuple[Tensor, Tensor]:
+        """Distinct rows, each with its gradients summed over the ranks in rank order."""
+        return self._exchange(label, rows, grads, num_rows, summed=True)
+
+    def unsummed(
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int
+    ) -> tuple[Tensor, Tensor]:
+        """Every rank's rows in rank order, a row repeating once per rank that touched it (a
+        small block's dense exchange still sums them)."""
+        return self._exchange(label, rows, grads, num_rows, summed=False)
+
+    def _exchange(
+        self, label: str, rows: Tensor, grads: Tensor, num_rows: int, *, summed: bool
     ) -> tuple[Tensor, Tensor]:
         workspace = self._workspaces.get(label)
         if workspace is None:
@@ -94,7 +107,7 @@ class _RowExchange:
             return dense_row_all_reduce(
                 rows, grads, num_rows, group=self._pg, name=name, workspace=workspace
             )
-        if repeats:
+        if not summed:
             return sparse_all_gather(
                 rows, grads, group=self._pg, name=name, workspace=workspace, zero_padding=True
             )
