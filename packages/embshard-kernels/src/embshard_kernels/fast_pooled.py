@@ -281,7 +281,9 @@ class FastPooledPath:
         """
         if self.row_update is not None:
             completes = _completes_statistics(spec, reductions)
-            touched = self._touched_rows(grad_output, batches, layout, exchange, not completes)
+            if exchange is not None and not completes:  # the loop sums repeated rows itself
+                exchange = getattr(exchange, "unsummed", exchange)
+            touched = self._touched_rows(grad_output, batches, layout, exchange)
             self._write_rows(self.row_update, flat, state, touched, spec, reductions, completes)
             return
         touched = self._touched_rows(grad_output, batches, layout, exchange)
@@ -339,19 +341,15 @@ class FastPooledPath:
         batches: list[RunBatch],
         layout: CallLayout,
         exchange: RowExchange | None = None,
-        repeats: bool = False,
     ) -> list[tuple[int, Tensor, Tensor]]:
         """Per run with touched rows: ``(run, rows, summed gradients)`` of this call (rows
         int64, relative to the run, sorted and distinct unless the exchange returned repeats;
         sums new tensors the caller may overwrite).
 
         ``exchange`` (see :meth:`update`) is called for every run in order, even one without
-        ids; with ``repeats`` (the caller sums repeated rows) its ``unsummed`` method instead,
-        if it has one, whose rows may repeat.
+        ids.
         """
         grad_output = grad_output.float()
-        if exchange is not None and repeats:
-            exchange = getattr(exchange, "unsummed", exchange)
         # One run of every feature, one batch size: the gradient [batch, features * width] is,
         # as it is, a [batch * features, width] matrix of bags in sample-major order; the
         # sparse product reads it there instead of from a feature-major copy.
