@@ -14,8 +14,10 @@ import pytest
 import torch
 from kernel_testing import bit_identical, one_group, random_kjt, snapshot, table
 
+from embshard_kernels import fast_pooled
 from embshard_kernels.fast_pooled import fast_path_refusal, table_runs
 from embshard_kernels.fused import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
+from embshard_kernels.path_probe import ENV_VAR
 from embshard_kernels.tbe import FbgemmFusedTBE
 from embshard_kernels.torch_fused import TorchFusedTBE
 from embshard_optim.specs import OptimizerSpec
@@ -220,3 +222,38 @@ def test_the_next_forward_before_this_backward_keeps_both_plans() -> None:
     assert len(used) == 2 and all(plans is not None for plans in used)
     assert len(tbe.fast._prepared) == 0
     assert bit_identical(prepared.split_embedding_weights(), plain.split_embedding_weights())
+
+
+@pytest.mark.parametrize("path", ["fbgemm", "torch"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("sum", True), ("mean", False)])
+@pytest.mark.parametrize("one_run", [False, True], ids=["two_runs", "one_run"])
+def test_rows_updated_chunk_by_chunk_equal_one_chunk(
+    path: str,
+    name: str,
+    pooling: str,
+    weighted: bool,
+    one_run: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rows are independent: summing and writing 2 rows at a time (FBGEMM's row loop or the
+    # torch rules) gives the very weights and state of one chunk.
+    monkeypatch.setenv(ENV_VAR, path)
+    spec = SPECS[name]
+    chunked = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted, one_run), backend="torch")
+    whole = BatchedFusedEmbeddingBag(_config(spec, pooling, weighted, one_run), backend="torch")
+    whole.load_state_dict(chunked.state_dict())
+    assert (chunked.emb_module.fast.row_update is not None) == (path == "fbgemm")
+    for step in range(3):
+        kjt = _kjt(step, weighted)
+        monkeypatch.setattr(fast_pooled, "SUM_CHUNK_BYTES", 2 * 4 * 8)  # 2 rows of width 8
+        _train(chunked, kjt, 100 + step)
+        monkeypatch.setattr(fast_pooled, "SUM_CHUNK_BYTES", 1 << 30)
+        _train(whole, kjt, 100 + step)
+    assert bit_identical(chunked.split_embedding_weights(), whole.split_embedding_weights())
+    for a, b in zip(
+        chunked.emb_module.get_optimizer_state(),
+        whole.emb_module.get_optimizer_state(),
+        strict=True,
+    ):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
