@@ -21,6 +21,7 @@ is checked within 1e-6 (none bit for bit).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -237,14 +238,18 @@ def check_state(actual: Any, expected: torch.Tensor, what: str, *, exact: bool) 
 
 
 @contextmanager
-def touched_rows_exchange() -> Iterator[None]:
-    """Data-parallel blocks exchange their touched rows, however small (not one all-reduce)."""
-    saved = dp_module.DENSE_EXCHANGE_BYTES
-    dp_module.DENSE_EXCHANGE_BYTES = 0
+def data_parallel_exchange(kind: str) -> Iterator[None]:
+    """Data-parallel blocks exchange their touched rows however small (``rows``: not one
+    all-reduce, never the calls), or always gather every rank's call (``call``)."""
+    saved = dp_module.DENSE_EXCHANGE_BYTES, dp_module.CALL_GATHER_RATIO
+    if kind == "rows":
+        dp_module.DENSE_EXCHANGE_BYTES, dp_module.CALL_GATHER_RATIO = 0, 0.0
+    else:
+        dp_module.CALL_GATHER_RATIO = math.inf
     try:
         yield
     finally:
-        dp_module.DENSE_EXCHANGE_BYTES = saved
+        dp_module.DENSE_EXCHANGE_BYTES, dp_module.CALL_GATHER_RATIO = saved
 
 
 def assert_replicas_identical(weights: dict[str, Any], what: str) -> None:
@@ -257,8 +262,8 @@ def assert_replicas_identical(weights: dict[str, Any], what: str) -> None:
 
 def run_case(case: Case) -> int:
     """Train sharded and unsharded side by side; return the number of local shards compared."""
-    if case.plan == "dp_sparse":
-        with touched_rows_exchange():
+    if case.plan in ("dp_sparse", "dp_call"):
+        with data_parallel_exchange("rows" if case.plan == "dp_sparse" else "call"):
             return run_case(replace(case, plan="dp"))
     rank, world = dist.get_rank(), dist.get_world_size()
     configs = tables(case.weighted)
@@ -326,7 +331,7 @@ def run_cases(cases: list[Case]) -> list[int]:
 
 ALL_CASES = [
     Case(plan, optimizer, weighted)
-    for plan in ("tw", "rw", "cw", "dp", "dp_sparse", "mixed")
+    for plan in ("tw", "rw", "cw", "dp", "dp_sparse", "dp_call", "mixed")
     for optimizer in OPTIMIZERS
     for weighted in (False, True)
 ] + [
@@ -347,9 +352,12 @@ ROW_LOOP_CASES = [
     Case("mixed", "rowwise_adagrad", True),
     *(Case("dp_sparse", "rowwise_adagrad", weighted) for weighted in (False, True)),
     Case("dp_sparse", "sgd", True),
+    *(Case("dp_call", "rowwise_adagrad", weighted) for weighted in (False, True)),
+    Case("dp_call", "sgd", False),
 ]
 """Cases whose rows FBGEMM's row loop writes on the ``fbgemm`` path: column blocks (momentum
-completed first) and data-parallel tables (every rank's rows handed over unsummed)."""
+completed first) and data-parallel tables (every rank's rows handed over unsummed, or every
+rank's call joined)."""
 
 
 def run_cases_on_path(path: str, cases: list[Case]) -> list[int]:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from embshard_kernels import hugepages
+from embshard_kernels.call_gather import CallGather, PooledCall, RunIds
 from embshard_kernels.fast_pooled import FastPooledPath, RowExchange, RunBatch, fast_path_refusal
 from embshard_kernels.fbgemm_mapping import data_type_to_dtype
 from embshard_kernels.fbgemm_rows import FbgemmRowUpdate, row_update_refusal
@@ -40,6 +41,8 @@ class TorchFusedTBE(nn.Module):
     (a hook's ``unsummed`` method may return rows that repeat: see ``RowExchange``).
     ``row_reductions[table]`` completes row-wise statistics of a column shard. A backward that
     needs per-sample-weight gradients, or reductions a run cannot take, uses the general path.
+    ``call_gather`` (replicated tables): on the fast path with one batch size, first offered the
+    call; where it returns every rank's call joined, that call is applied, without a row exchange.
 
     Args:
         config: the tables.
@@ -102,6 +105,7 @@ class TorchFusedTBE(nn.Module):
             ]
         self.step = 0
         self.grad_exchange: GradExchange | None = None
+        self.call_gather: CallGather | None = None
         self._last_forward: tuple[list[RunBatch], CallLayout] | None = None
         self.row_reductions: list[RowReduction | None] | None = None
 
@@ -162,7 +166,8 @@ class TorchFusedTBE(nn.Module):
         path's sort of the ids), e.g. while the output all-to-all is in flight; a no-op when
         there is nothing to prepare."""
         last, self._last_forward = self._last_forward, None
-        if last is not None and self.fast is not None:
+        # a gathered call is sorted in the backward; one declined sorts its own ids there
+        if last is not None and self.fast is not None and self.call_gather is None:
             self.fast.prepare(*last)
 
     def apply_call(
@@ -242,6 +247,16 @@ class TorchFusedTBE(nn.Module):
             reductions = self.fast.run_reductions(self.row_reductions)
             if reductions is not None:
                 self.step += 1
+                joined = self._gather_call(
+                    indices, offsets, per_sample_weights, grad_output, layout, batches
+                )
+                exchange = self.grad_exchange
+                if joined is not None:
+                    layout = CallLayout.of(joined.offsets, len(self.feature_table_map), None)
+                    batches = self.fast.batches(
+                        joined.indices, joined.offsets, joined.per_sample_weights, layout
+                    )
+                    grad_output, exchange = joined.grad_output, None
                 self.fast.update(
                     self.weights.detach(),
                     self._row_state,
@@ -249,7 +264,7 @@ class TorchFusedTBE(nn.Module):
                     batches,
                     layout,
                     self.rule.spec,
-                    exchange=self.grad_exchange,
+                    exchange=exchange,
                     reductions=reductions,
                     step=self.step,
                 )
@@ -291,6 +306,32 @@ class TorchFusedTBE(nn.Module):
                 reduction=reduction,
             )
         return weight_grad
+
+    def _gather_call(
+        self,
+        indices: Tensor,
+        offsets: Tensor,
+        per_sample_weights: Tensor | None,
+        grad_output: Tensor,
+        layout: CallLayout,
+        batches: list[RunBatch],
+    ) -> PooledCall | None:
+        """Every rank's call joined by ``call_gather`` where it is set and takes the call; a
+        call it cannot join (batch sizes per feature, completed statistics) is offered as
+        ``None``, so that every rank declines alike."""
+        if self.call_gather is None or self.fast is None:
+            return None
+        joinable = (
+            layout.batch_per_rank is None
+            and grad_output.dim() == 2
+            and (self.row_reductions is None or all(r is None for r in self.row_reductions))
+        )
+        runs = [
+            RunIds(batch.rows.numel(), run.rows, run.width)
+            for run, batch in zip(self.fast.runs, batches, strict=True)
+        ]
+        call = PooledCall(indices, offsets, per_sample_weights, grad_output) if joinable else None
+        return self.call_gather(call, len(self.feature_table_map), runs)
 
     def _per_id_grads(
         self,
