@@ -262,9 +262,12 @@ def assert_replicas_identical(weights: dict[str, Any], what: str) -> None:
 
 def run_case(case: Case) -> int:
     """Train sharded and unsharded side by side; return the number of local shards compared."""
-    if case.plan in ("dp_sparse", "dp_call"):
-        with data_parallel_exchange("rows" if case.plan == "dp_sparse" else "call"):
+    if case.plan == "dp_sparse":
+        with data_parallel_exchange("rows"):
             return run_case(replace(case, plan="dp"))
+    if case.plan.endswith("_call"):  # "dp_call", "mixed_call"
+        with data_parallel_exchange("call"):
+            return run_case(replace(case, plan=case.plan.removesuffix("_call")))
     rank, world = dist.get_rank(), dist.get_world_size()
     configs = tables(case.weighted)
     dense = case.optimizer == DENSE
@@ -342,6 +345,7 @@ ALL_CASES = [
     Case("mixed", "sgd", True),
     Case("mixed", "adagrad", False),
     Case("mixed", "lamb", True),
+    Case("mixed_call", "rowwise_adagrad", True),  # an empty local batch on 3 ranks
     Case("mixed_dense", DENSE, False),
     Case("mixed_dense", DENSE, True),
 ]
