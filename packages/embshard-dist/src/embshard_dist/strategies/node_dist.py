@@ -1,7 +1,8 @@
 """Dists of strategies that cut a table (or column block) row-wise over one node's ranks.
 
-Input: ids bucketized over all ranks with boundaries padded outside the unit's node, then one
-KJT all-to-all whose samples arrive staggered by local position. Output: partial bags summed
+Input: ids bucketized over all ranks with boundaries padded outside the unit's node (whole
+features routed where every unit lies on one rank), then one KJT all-to-all whose samples arrive
+staggered by local position. Output: partial bags summed
 inside the node by a reduce-scatter over its ranks (the one row-wise uses; on gloo an all-to-all
 summed in local-rank order), then one all-to-all across nodes; ranks may have different batch
 sizes.
@@ -92,6 +93,11 @@ class NodeRowWiseInputDist(nn.Module):
         self._count = len(features)
         self._world = topology.world_size
         self._permute = [r * self._count + i for r, sent in enumerate(wire) for i in sent]
+        # Where every rank takes only units whose rows are all its own (one-rank nodes), the ids
+        # need no bucketizing: whole features are routed, as table-wise routes them.
+        self._whole = (
+            [i for sent in wire for i in sent] if _whole_features(boundaries, wire) else None
+        )
         self._all_to_all = KJTAllToAll(pg, [len(sent) for sent in wire], stagger=topology.num_nodes)
         self._keep_lengths = keep_lengths
 
@@ -113,10 +119,22 @@ class NodeRowWiseInputDist(nn.Module):
             )
         if self._keep_lengths:
             ctx.bag_lengths = selected.lengths().view(self._count, selected.stride())
-        bucketized, _ = bucketize_kjt(selected, self._boundaries)
-        routed = bucketized.permute(self._permute)
+        if self._whole is not None:
+            routed = selected.permute(self._whole)
+        else:
+            bucketized, _ = bucketize_kjt(selected, self._boundaries, with_permute=False)
+            routed = bucketized.permute(self._permute)
         started = self._all_to_all(to_wire(routed), ctx.input_status)
         return ReceivedFeatures(started, ctx, selected.stride(), self._world)
+
+
+def _whole_features(boundaries: Sequence[Sequence[int]], wire: Sequence[Sequence[int]]) -> bool:
+    """Whether each rank's entries in ``wire`` have all their rows in its own block."""
+    return all(
+        boundaries[i][r] == 0 and boundaries[i][r + 1] == boundaries[i][-1]
+        for r, sent in enumerate(wire)
+        for i in sent
+    )
 
 
 class NodeRowWiseOutputDist(nn.Module):
