@@ -12,6 +12,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from embshard_kernels.sorting import stable_sort
+
 
 def group_rows(rows: Tensor, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``(distinct rows, CSR row pointers, order)`` of 1-D ``rows``.
@@ -24,7 +26,7 @@ def group_rows(rows: Tensor, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, 
         the distinct rows, sorted (``rows``' dtype); ``crow`` (``index_dtype``, one more than
         the distinct rows); ``order``: the entries grouped by row, each row's in input order.
     """
-    keys, order = torch.sort(rows, stable=True)
+    keys, order = stable_sort(rows)
     unique, counts = torch.unique_consecutive(keys, return_counts=True)
     crow = torch.zeros(unique.numel() + 1, dtype=index_dtype, device=rows.device)
     torch.cumsum(counts, 0, out=crow[1:])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from embshard_kernels.sorting import stable_sort
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
 
@@ -85,7 +86,7 @@ def bucketize_ids(
 
     # The input is feature- then sample-ordered, so a stable sort by bucket gives the layout.
     narrow = torch.uint8 if num_buckets <= 255 else torch.int32
-    order = torch.sort(bucket.to(narrow), stable=True).indices
+    order = stable_sort(bucket.to(narrow))[1]
     new_lengths = _bucket_lengths(bucket, lengths64, num_buckets)
     return _routed(order, local, new_lengths, lengths, values, weights, with_permute, num_buckets)
 

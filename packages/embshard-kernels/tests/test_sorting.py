@@ -1,0 +1,31 @@
+"""``stable_sort`` gives ``torch.sort(stable=True)``'s values and order at every length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embshard_kernels.sorting import PAD_FROM, RADIX_MIN, stable_sort
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16, torch.uint8])
+@pytest.mark.parametrize(
+    "n", [0, 1, PAD_FROM - 1, PAD_FROM, 10_000, RADIX_MIN - 1, RADIX_MIN, RADIX_MIN + 5]
+)
+def test_equal_to_torch_stable_sort(dtype: torch.dtype, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    info = torch.iinfo(dtype)
+    low = max(info.min, -1000)
+    keys = torch.randint(low, 1000, (n,), generator=g).clamp(info.min, info.max).to(dtype)
+    if n > 2:
+        keys[0] = keys[n // 2] = info.max  # the largest key repeated: padding must follow it
+    want_values, want_order = torch.sort(keys, stable=True)
+    values, order = stable_sort(keys)
+    assert torch.equal(values, want_values) and torch.equal(order, want_order)
+
+
+def test_other_keys_are_sorted_by_torch() -> None:
+    floats = torch.rand(PAD_FROM + 10)
+    values, order = stable_sort(floats)
+    assert torch.equal(order, torch.sort(floats, stable=True).indices)
+    assert torch.equal(values, torch.sort(floats, stable=True).values)
