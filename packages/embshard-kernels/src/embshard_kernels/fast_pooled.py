@@ -299,25 +299,38 @@ class FastPooledPath:
         touched = self._touched_rows(grad_output, batches, layout, exchange)
         mean_squares = self._mean_squares(touched, spec, reductions)
         for (i, rows, summed), mean_square in zip(touched, mean_squares, strict=True):
-            run = self.runs[i]
-            weight = self.run_weights(flat, run)
-            # the run's rows of the flat state; summed is this step's own, so the update may
-            # scale it
-            at = slice(run.first_row, run.first_row + run.rows)
-            run_state = {name: value[at] for name, value in state.items()}
-            if spec.optim_type is OptimType.SGD:
-                sgd_update(spec, weight, run_state, rows, summed, step, consume_grad=True)
-            else:
-                rowwise_adagrad_update(
-                    spec,
-                    weight,
-                    run_state,
-                    rows,
-                    summed,
-                    step,
-                    mean_square=mean_square,
-                    consume_grad=True,
-                )
+            self._apply_rule(flat, state, i, rows, summed, spec, step, mean_square)
+
+    def _apply_rule(
+        self,
+        flat: Tensor,
+        state: dict[str, Tensor],
+        i: int,
+        rows: Tensor,
+        summed: Tensor,
+        spec: OptimizerSpec,
+        step: int,
+        mean_square: Tensor | None,
+    ) -> None:
+        """embshard-optim's rule on run ``i``'s ``rows`` (``summed``: this step's own sums,
+        which the rule may scale in place)."""
+        run = self.runs[i]
+        at = slice(run.first_row, run.first_row + run.rows)  # the run's rows of the flat state
+        run_state = {name: value[at] for name, value in state.items()}
+        weight = self.run_weights(flat, run)
+        if spec.optim_type is OptimType.SGD:
+            sgd_update(spec, weight, run_state, rows, summed, step, consume_grad=True)
+        else:
+            rowwise_adagrad_update(
+                spec,
+                weight,
+                run_state,
+                rows,
+                summed,
+                step,
+                mean_square=mean_square,
+                consume_grad=True,
+            )
 
     def _write_rows(
         self,
@@ -384,9 +397,9 @@ class FastPooledPath:
             if plan is None:
                 continue
             run = self.runs[i]
-            weight = self.run_weights(flat, run)
-            at = slice(run.first_row, run.first_row + run.rows)
-            run_state = {name: value[at] for name, value in state.items()}
+            momentum = None
+            if self.row_update is not None and "momentum1" in state:
+                momentum = state["momentum1"][run.first_row : run.first_row + run.rows]
             chunk = max(1, SUM_CHUNK_BYTES // (4 * run.width))
             count = plan.rows.numel()
             ends = [*plan.crow[: count + 1 : chunk].tolist(), int(plan.crow[count])]
@@ -402,22 +415,11 @@ class FastPooledPath:
                 )
                 rows, summed = _row_sums(bag_grads, part)
                 if self.row_update is not None:
-                    momentum = run_state.get("momentum1")
+                    weight = self.run_weights(flat, run)
                     self.row_update.apply(spec, weight, momentum, rows, summed)
-                elif spec.optim_type is OptimType.SGD:
-                    sgd_update(spec, weight, run_state, rows, summed, step, consume_grad=True)
-                else:
-                    (square,) = _row_square_sums([(i, rows, summed)])
-                    rowwise_adagrad_update(
-                        spec,
-                        weight,
-                        run_state,
-                        rows,
-                        summed,
-                        step,
-                        mean_square=square.div_(run.width),
-                        consume_grad=True,
-                    )
+                    continue
+                (mean_square,) = self._mean_squares([(i, rows, summed)], spec, None)
+                self._apply_rule(flat, state, i, rows, summed, spec, step, mean_square)
 
     def _run_inputs(
         self,
