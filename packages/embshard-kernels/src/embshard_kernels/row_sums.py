@@ -12,7 +12,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from embshard_kernels.sorting import stable_sort
+from embshard_optim.sorting import stable_sort
 
 
 def group_rows(rows: Tensor, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:

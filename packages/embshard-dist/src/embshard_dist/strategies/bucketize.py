@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from embshard_kernels.sorting import stable_sort
+from embshard_optim.sorting import stable_sort
 from embshard_types.sparse.keyed_jagged import KeyedJaggedTensor
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from embshard_optim.sorting import unique_with_inverse
 from embshard_optim.sparse_rules.adagrad import adagrad_update, rowwise_adagrad_update
 from embshard_optim.sparse_rules.adam import adam_update, partial_rowwise_adam_update
 from embshard_optim.sparse_rules.base import SparseRule, SparseUpdateRule, UpdateFn, init_state
@@ -65,7 +66,7 @@ def aggregate(ids: Tensor, grad_rows: Tensor) -> tuple[Tensor, Tensor]:
             f"grad_rows must be [len(ids), dim] = [{ids.shape[0]}, dim], "
             f"got {list(grad_rows.shape)}"
         )
-    rows, inverse = torch.unique(ids.long(), sorted=True, return_inverse=True)
+    rows, inverse = unique_with_inverse(ids.long())
     summed = grad_rows.new_zeros((rows.shape[0], grad_rows.shape[1]))
     summed.index_add_(0, inverse, grad_rows)
     return rows, summed

@@ -1,11 +1,11 @@
-"""``stable_sort`` gives ``torch.sort(stable=True)``'s values and order at every length."""
+"""``stable_sort`` and ``unique_with_inverse`` give torch's results at every length."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from embshard_kernels.sorting import PAD_FROM, RADIX_MIN, stable_sort
+from embshard_optim.sorting import PAD_FROM, RADIX_MIN, stable_sort, unique_with_inverse
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16, torch.uint8])
@@ -29,3 +29,11 @@ def test_other_keys_are_sorted_by_torch() -> None:
     values, order = stable_sort(floats)
     assert torch.equal(order, torch.sort(floats, stable=True).indices)
     assert torch.equal(values, torch.sort(floats, stable=True).values)
+
+
+@pytest.mark.parametrize("n", [0, 5, PAD_FROM, 20_000, RADIX_MIN + 3])
+def test_unique_with_inverse_equals_torch_unique(n: int) -> None:
+    ids = torch.randint(0, max(n // 3, 1), (n,), generator=torch.Generator().manual_seed(n))
+    want_rows, want_inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    rows, inverse = unique_with_inverse(ids)
+    assert torch.equal(rows, want_rows) and torch.equal(inverse, want_inverse)
